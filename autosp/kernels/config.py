@@ -1,0 +1,170 @@
+"""Launch configurations of the Triton kernels: defaults, the autotuned JSON cache, overrides.
+
+The cache is a JSON file written by `bench/autotune_attention.py` and
+`bench/autotune_a2a.py`:
+
+    {"version": 1, "entries": {"flash_fwd|NVIDIA H200|bfloat16|d128|causal|s8192":
+                                {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}}}
+
+Its path is `$AUTOSP_KERNEL_CONFIGS`, else `~/.cache/autosp/kernel_configs.json`.
+Lookup order: an `override(...)` in effect, the exact key, the same key at the
+nearest tuned sequence bucket (a block size tuned at 8k is a better guess at
+16k than the default), the defaults below. An entry that breaks a kernel's
+constraints is ignored rather than trusted, so a stale cache never breaks a run.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+# Keys each kernel's config must hold; anything else in an entry is metadata.
+PARAMS = {
+    "flash_fwd": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
+    "flash_bwd": ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages"),
+    "layout_copy": ("BLOCK_R", "num_warps"),
+}
+
+_overrides: dict[str, dict] = {}
+_loaded: dict[tuple[str, float], dict] = {}
+
+
+def seq_bucket(seq_len: int) -> int:
+    """Sequence lengths share a config within a power of two (at least 128)."""
+    return max(128, 1 << max(0, math.ceil(math.log2(max(1, seq_len)))))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def cache_key(kernel: str, device: str, dtype: torch.dtype, head_dim: int, causal: bool, seq_len: int) -> str:
+    mode = "causal" if causal else "full"
+    return f"{kernel}|{device}|{dtype_name(dtype)}|d{head_dim}|{mode}|s{seq_bucket(seq_len)}"
+
+
+def cache_path() -> Path:
+    env = os.environ.get("AUTOSP_KERNEL_CONFIGS")
+    return Path(env) if env else Path.home() / ".cache" / "autosp" / "kernel_configs.json"
+
+
+def load_cache(path: Path | None = None) -> dict:
+    """The cache's entries ({} when there is no file or it is unreadable)."""
+    path = path or cache_path()
+    try:
+        mtime = path.stat().st_mtime
+    except OSError:
+        return {}
+    if (str(path), mtime) not in _loaded:
+        try:
+            entries = json.loads(path.read_text()).get("entries", {})
+        except (OSError, ValueError, AttributeError):
+            entries = {}  # a corrupt cache must not stop training: defaults still work
+        _loaded[(str(path), mtime)] = entries if isinstance(entries, dict) else {}
+    return _loaded[(str(path), mtime)]
+
+
+def save_entries(entries: dict[str, dict], path: Path | None = None) -> Path:
+    """Merge `entries` into the cache file, atomically (autotuners may run side by side)."""
+    path = path or cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    merged = dict(load_cache(path))
+    merged.update(entries)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"version": 1, "entries": dict(sorted(merged.items()))}, f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def _pow2(x) -> bool:
+    return isinstance(x, int) and x >= 1 and x & (x - 1) == 0
+
+
+def is_valid(kernel: str, cfg: dict) -> bool:
+    """Whether `cfg` satisfies the kernel's tiling constraints (see the kernels' docstrings)."""
+    if not all(k in cfg and _pow2(cfg[k]) for k in PARAMS[kernel] if k != "num_stages"):
+        return False
+    if "num_stages" in PARAMS[kernel] and not (isinstance(cfg["num_stages"], int) and cfg["num_stages"] >= 1):
+        return False
+    blocks = [cfg[k] for k in PARAMS[kernel] if k.startswith("BLOCK_")]
+    if kernel.startswith("flash") and min(blocks) < 16:  # tl.dot needs 16 in every dim
+        return False
+    if kernel == "flash_fwd":
+        return cfg["BLOCK_M"] % cfg["BLOCK_N"] == 0
+    if kernel == "flash_bwd":
+        return cfg["BLOCK_N1"] % cfg["BLOCK_M1"] == 0 and cfg["BLOCK_M2"] % cfg["BLOCK_N2"] == 0
+    return True
+
+
+def default_config(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> dict:
+    """Untuned configs that are correct everywhere and reasonable on H100/H200-class GPUs."""
+    if device.type == "cpu":
+        # The interpreter pays per Triton op, not per element: few programs, but still
+        # several tiles per row at test sizes so the diagonal and tail paths run.
+        return {
+            "flash_fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1),
+            "flash_bwd": dict(BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, num_warps=4, num_stages=1),
+            "layout_copy": dict(BLOCK_R=64, num_warps=4),
+        }[kernel]
+    hip = torch.version.hip is not None
+    wide = head_dim > 128 or dtype == torch.float32  # registers / shared memory run out first
+    if kernel == "flash_fwd":
+        if wide:
+            return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1 if hip else 2)
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8 if head_dim > 64 else 4, num_stages=1 if hip else 3)
+    if kernel == "flash_bwd":
+        if wide:
+            return dict(BLOCK_M1=16, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=16, num_warps=4, num_stages=1)
+        return dict(BLOCK_M1=32, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=32, num_warps=4, num_stages=1 if hip else 3)
+    if kernel == "layout_copy":
+        return dict(BLOCK_R=32, num_warps=4)
+    raise KeyError(kernel)
+
+
+def lookup(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool,
+           seq_len: int) -> dict:
+    """The launch config for one call (see the module docstring for the order)."""
+    if kernel in _overrides:
+        return dict(_overrides[kernel])
+    from autosp.kernels._triton import device_name
+
+    entries = load_cache()
+    key = cache_key(kernel, device_name(device), dtype, head_dim, causal, seq_len)
+    cfg = entries.get(key)
+    if cfg is None and entries:
+        prefix, want = key.rsplit("|s", 1)
+        near = [(abs(math.log2(int(b) / int(want))), k) for k in entries
+                for p, b in [k.rsplit("|s", 1)] if p == prefix and b.isdigit()]
+        cfg = entries[min(near)[1]] if near else None
+    if cfg is not None and is_valid(kernel, cfg):
+        return {k: cfg[k] for k in PARAMS[kernel]}
+    return default_config(kernel, device, dtype, head_dim)
+
+
+@contextlib.contextmanager
+def override(kernel: str, **params):
+    """Force one kernel's config (autotuners, tests): `with override("flash_fwd", BLOCK_M=32, ...)`."""
+    from autosp.errors import AutospError
+
+    if kernel not in PARAMS:
+        raise AutospError(f"config.override: unknown kernel {kernel!r}; use one of {sorted(PARAMS)}")
+    cfg = {**default_config(kernel, torch.device("cuda"), torch.float16, 64), **params}
+    if not is_valid(kernel, cfg):
+        raise AutospError(
+            f"config.override({kernel!r}, {params}): invalid tiling; blocks must be powers of two "
+            f"(>= 16 for attention) and the stationary block a multiple of the streamed one")
+    old = _overrides.get(kernel)
+    _overrides[kernel] = cfg
+    try:
+        yield cfg
+    finally:
+        if old is None:
+            _overrides.pop(kernel, None)
+        else:
+            _overrides[kernel] = old

@@ -1,0 +1,192 @@
+"""autosp.trace: a function and example arguments -> ir.Graph, via make_fx over fake tensors.
+
+Parameters are inputs (JAX-style). Tensors the function closes over (module
+buffers such as RoPE's `inv_freq`) become graph constants. Non-tensor leaves
+(ints, floats, bools, None, strings, dtypes) are baked in as static arguments.
+"""
+from __future__ import annotations
+
+import inspect
+import operator
+import os
+import traceback
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from autosp.errors import TraceError
+from autosp.ir.core import Eqn, Graph, Role, Var
+from autosp.ir.ops import op_for
+
+_STATIC_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device)
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_AUTOSP_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def trace(fn, *args) -> Graph:
+    """Trace `fn(*args)` into an ir.Graph with global shapes; costs no tensor memory."""
+    leaves, in_spec = pytree.tree_flatten(tuple(args))
+    paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(tuple(args))[0]]
+    names = _input_names(fn, paths)
+    static, tensor_pos = [], []
+    for i, (leaf, path) in enumerate(zip(leaves, paths)):
+        if isinstance(leaf, torch.Tensor):
+            tensor_pos.append(i)
+        elif isinstance(leaf, _STATIC_TYPES):
+            static.append((i, leaf))
+        else:
+            raise TraceError(
+                f"autosp.trace: argument {_fn_name(fn)}{path} is a {type(leaf).__name__}; arguments must be "
+                "pytrees (dict, list, tuple) of tensors and Python scalars. "
+                "Fix: pass tensors, or close over this value in the function instead of passing it.")
+
+    out_spec_box = []
+
+    def flat_fn(*tensors):
+        full = list(leaves)
+        for i, t in zip(tensor_pos, tensors):
+            full[i] = t
+        out = fn(*pytree.tree_unflatten(full, in_spec))
+        flat_out, spec = pytree.tree_flatten(out)
+        out_spec_box.append(spec)
+        return flat_out
+
+    real = [leaves[i] for i in tensor_pos]
+    gm = _make_fx(fn, flat_fn, real, pre_dispatch=True)
+    if _leaked_constants(gm):
+        # make_fx(pre_dispatch=True) over torch.func transforms leaks the backward's saved
+        # tensors as constants; the post-dispatch trace keeps them in the graph (linear -> mm).
+        out_spec_box.clear()
+        gm = _make_fx(fn, flat_fn, real, pre_dispatch=False)
+
+    inputs = []
+    for pos, t in zip(tensor_pos, real):
+        role = Role.PARAM if t.requires_grad else Role.INPUT
+        inputs.append(Var(names[pos], t.dtype, tuple(t.shape), str(t.device), role=role))
+    return lift(gm, inputs, in_spec, out_spec_box[-1], tuple(static))
+
+
+def _make_fx(fn, flat_fn, real, *, pre_dispatch: bool) -> torch.fx.GraphModule:
+    try:
+        return make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True,
+                       pre_dispatch=pre_dispatch, record_stack_traces=True)(*real)
+    except TraceError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any tracing failure becomes one clear error
+        raise _trace_failure(fn, exc) from None
+
+
+def _leaked_constants(gm: torch.fx.GraphModule) -> bool:
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            t = _get_attr(gm, node.target)
+            if isinstance(t, FakeTensor) or torch._C._functorch.is_functorch_wrapped_tensor(t):
+                return True
+    return False
+
+
+def lift(gm: torch.fx.GraphModule, inputs, in_spec=None, out_spec=None, static=()) -> Graph:
+    """An fx graph from make_fx -> ir.Graph. Inputs are given (names, roles) in placeholder order."""
+    env: dict[torch.fx.Node, object] = {}
+    eqns, consts, outputs = [], [], ()
+    placeholders = iter(inputs)
+    counter = iter(range(1 << 62))
+
+    def new_var(val) -> Var:
+        if isinstance(val, torch.Tensor):
+            return Var(str(next(counter)), val.dtype, tuple(int(d) for d in val.shape), str(val.device))
+        return Var(str(next(counter)), None, ())
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = next(placeholders)
+        elif node.op == "get_attr":
+            t = _get_attr(gm, node.target)
+            v = Var(f"c{len(consts)}", t.dtype, tuple(t.shape), str(t.device), role=Role.CONST)
+            consts.append((v, t))
+            env[node] = v
+        elif node.op == "call_function":
+            if node.target is operator.getitem and isinstance(env.get(node.args[0]), tuple):
+                env[node] = env[node.args[0]][node.args[1]]
+                continue
+            args = torch.fx.node.map_arg(node.args, env.__getitem__)
+            kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+            val = node.meta.get("val")
+            multi = isinstance(val, (tuple, list))
+            outs = tuple(new_var(x) for x in val) if multi else (() if val is None else (new_var(val),))
+            eqns.append(Eqn.make(op_for(node.target), args, kwargs, outs, multi=multi,
+                                 source=user_frame(node.meta.get("stack_trace"))))
+            env[node] = outs if multi else (outs[0] if outs else None)
+        elif node.op == "output":
+            outputs = tuple(torch.fx.node.map_arg(node.args[0], env.__getitem__))
+        else:
+            raise TraceError(f"autosp.trace: unexpected fx node {node.format_node()}")
+    return Graph(tuple(inputs), tuple(eqns), outputs, in_spec, out_spec, tuple(consts), tuple(static))
+
+
+def user_frame(stack_trace: str | None) -> str | None:
+    """The innermost frame of the user's code ('file:line in fn: code'), skipping torch and autosp."""
+    if not stack_trace:
+        return None
+    lines = stack_trace.strip().splitlines()
+    best = None
+    for i, line in enumerate(lines):
+        s = line.strip()
+        if s.startswith("File "):
+            path = s.split('"')[1] if '"' in s else ""
+            if path.startswith(_TORCH_DIR) or path.startswith(_AUTOSP_DIR):
+                continue
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            lineno = s.split("line ")[1].split(",")[0] if "line " in s else "?"
+            func = s.split(" in ")[-1] if " in " in s else "?"
+            best = f"{os.path.basename(path)}:{lineno} in {func}: {code}"
+    return best
+
+
+def _trace_failure(fn, exc: Exception) -> TraceError:
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [f for f in frames if not f.filename.startswith(_TORCH_DIR) and not f.filename.startswith(_AUTOSP_DIR)]
+    where = f"{os.path.basename(user[-1].filename)}:{user[-1].lineno}: {user[-1].line}" if user else "<unknown>"
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
+    low = text.lower()
+    if "data-dependent" in low or "data dependent" in low or "item()" in low or "guard" in low \
+            or "dynamicoutputshape" in low or "datadependent" in low:
+        fix = ("the value of a tensor decides Python control flow or a shape here (`.item()`, `if t:`, "
+               "`bool(t)`, nonzero/masked_select). Fix: compute with torch.where / masks instead of "
+               "branching, or pass the value as a Python int argument")
+    else:
+        fix = "Fix: make this line traceable by make_fx (no data-dependent Python, no unsupported types)"
+    return TraceError(f"autosp.trace: could not trace {_fn_name(fn)} at {where}\n  {text}\n  {fix}.")
+
+
+def _fn_name(fn) -> str:
+    return getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
+
+
+def _input_names(fn, paths: list[str]) -> list[str]:
+    try:
+        params = [p.name for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    names, seen = [], set()
+    for path in paths:
+        # path looks like "[0]['model.embed.weight']" or "[1]"
+        parts = [p.strip("'\"") for p in path.strip("[]").split("][")]
+        head = int(parts[0]) if parts[0].isdigit() else 0
+        base = params[head] if head < len(params) else f"arg{head}"
+        name = ".".join([base] + parts[1:])
+        while name in seen:
+            name += "_"
+        seen.add(name)
+        names.append(name)
+    return names
+
+
+def _get_attr(gm, target: str) -> torch.Tensor:
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
