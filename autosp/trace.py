@@ -20,6 +20,7 @@ from autosp.errors import TraceError
 from autosp.ir.core import Eqn, Graph, Role, Var
 from autosp.ir.ops import op_for
 
+_DATA_DEPENDENT = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
 _STATIC_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device)
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _AUTOSP_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -108,6 +109,13 @@ def lift(gm: torch.fx.GraphModule, inputs, in_spec=None, out_spec=None, static=(
             consts.append((v, t))
             env[node] = v
         elif node.op == "call_function":
+            if node.target in _DATA_DEPENDENT:
+                where = user_frame(node.meta.get("stack_trace")) or "<unknown>"
+                raise TraceError(
+                    f"autosp.trace: `.item()` (aten.{node.target.__name__}) at {where} turns a tensor "
+                    "into a Python number, so the graph would depend on data it cannot see. "
+                    "Fix: keep the value a tensor (e.g. `x * t.max()` instead of `x * t.max().item()`), "
+                    "or pass the number as a Python argument.")
             if node.target is operator.getitem and isinstance(env.get(node.args[0]), tuple):
                 env[node] = env[node.args[0]][node.args[1]]
                 continue

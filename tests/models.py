@@ -1,0 +1,105 @@
+"""Models the tests trace and shard: an MLP, a small GPT, and HF Llama with a tiny config."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self, d=16, hidden=32):
+        super().__init__()
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x, mask):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """nanoGPT-shaped: learned positions from arange, an explicit boolean causal mask."""
+
+    def __init__(self, vocab=64, d=32, n_head=4, n_layer=2, max_len=512):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(max_len, d)
+        self.blocks = nn.ModuleList(Block(d, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        B, T = ids.shape
+        pos = torch.arange(T, device=ids.device)
+        mask = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+        x = self.wte(ids) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.ln_f(x))
+
+
+def gpt_loss(model):
+    """The nanoGPT label shift: logits[:, :-1] against ids[:, 1:]."""
+    def loss_fn(params, ids):
+        logits = torch.func.functional_call(model, params, (ids,))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1))
+    return loss_fn
+
+
+def tiny_llama(layers=2, vocab=64, hidden=32, heads=4, kv_heads=2, device=None, **extra):
+    """use_cache=False makes HF build an explicit [b, 1, s, s] mask and repeat K/V instead."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=4096, attn_implementation="sdpa", **extra)
+    if device is None:
+        return LlamaForCausalLM(cfg)
+    with torch.device(device):
+        return LlamaForCausalLM(cfg)
+
+
+def llama_loss(model):
+    """HF's own loss: labels shifted inside the model (pad + slice), ignore_index -100."""
+    def loss_fn(params, input_ids, labels):
+        return torch.func.functional_call(model, params, (input_ids,), {"labels": labels}).loss
+    return loss_fn
+
+
+def params_of(model):
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def batch(b, s, vocab, seed=0, pad=0):
+    """Token ids and labels with ignore_index tokens and `pad` right-padded positions."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, s), generator=g)
+    labels = ids.clone()
+    labels[:, : max(1, s // 8)] = -100          # a prompt that is not trained on
+    if pad:
+        labels[-1, s - pad:] = -100
+        ids[-1, s - pad:] = 0
+    return ids, labels
