@@ -29,7 +29,7 @@ def main():
     a = ap.parse_args()
     cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=a.layers,
                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-                      attn_implementation="sdpa")
+                      attn_implementation="sdpa", use_cache=False)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     params = dict(model.named_parameters())

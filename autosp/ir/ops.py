@@ -116,8 +116,12 @@ for _name, (_tags, _ovs) in _VOCAB.items():
         _BY_TARGET[_o] = Op(_name, _o, _tags)
 
 
+_COLLECTIVES = {"all_to_all", "all_reduce_sum", "all_gather_seq", "shard_slice", "unshard_grad"}
+
+
 def op_for(target) -> Op:
     """The canonical Op for an fx call_function target."""
+    target = getattr(target, "_opoverload", target)      # a torch.library CustomOpDef
     op = _BY_TARGET.get(target)
     if op is not None:
         return op
@@ -128,9 +132,11 @@ def op_for(target) -> Op:
         if target._schema.name.endswith("_") or any(a.alias_info is not None and a.alias_info.is_write
                                                     for a in target._schema.arguments):
             tags.add(Tag.INPLACE)
-        if target.namespace == "autosp" and "all" in target._schema.name:
-            tags.add(Tag.COLLECTIVE)
         short = str(target).removeprefix("aten.")
+        if target.namespace == "autosp":
+            short = target._schema.name.split("::")[-1]
+            if short in _COLLECTIVES:
+                tags.add(Tag.COLLECTIVE)
         op = Op(short, target, frozenset(tags or {Tag.OTHER}))
     else:
         op = Op(getattr(target, "__name__", str(target)), target, frozenset({Tag.OTHER}))

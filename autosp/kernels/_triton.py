@@ -55,8 +55,22 @@ def device_name(device: torch.device) -> str:
     return f"{device.type}-interpreter"
 
 
-def runs_interpreted(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" or interpret_forced()
+@functools.cache
+def interpreter_problem() -> str | None:
+    """Why the Triton interpreter cannot run kernels on CPU tensors here, or None.
+
+    Found by running a tiny kernel once: e.g. Triton 3.6's interpreter calls int() on
+    1-element arrays, which numpy >= 2.4 refuses."""
+    if not triton_available():
+        return "triton is not installed"
+    try:
+        from autosp.kernels._tl import probe_interpreter
+
+        probe_interpreter()
+    except Exception as e:  # any failure means: do not trust the interpreter here
+        return (f"the Triton {triton_version()} interpreter fails on this machine ({type(e).__name__}: "
+                f"{str(e)[:200]}); known cause: Triton <= 3.6 with numpy >= 2.4")
+    return None
 
 
 @functools.cache

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from autosp.kernels._tl import row_max, row_sum
 from autosp.kernels._triton import jit
 
 LOG2E = 1.4426950408889634
@@ -53,10 +54,10 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base,
             # Every row meets a kept column in its first tile (column 0 or its own
             # diagonal), so m_i is finite before a fully masked row-tile can occur.
             qk = tl.where(keep, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_new = tl.maximum(m_i, row_max(qk))
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + row_sum(p)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -88,8 +89,8 @@ def _attn_fwd(Q, K, V, O, LSE,
     v_base = V + off_b * stride_vb + off_hk * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_D], 0.0, dtype=tl.float32)
 
     if CAUSAL:
         full_hi = start_m * BLOCK_M  # tiles left of the diagonal block: all in bounds

@@ -1,0 +1,190 @@
+"""The public entry points: shard, value_and_grad, compile, explain.
+
+    step = autosp.shard(loss_fn, mesh)            # or @autosp.shard(mesh=mesh)
+    loss = step(params, input_ids, labels)        # the single-device value, on every sp rank
+    loss, grads = autosp.value_and_grad(loss_fn, mesh)(params, input_ids, labels)
+"""
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from autosp.errors import AutospError
+from autosp.ir.core import Graph
+from autosp.ir.lower import lower
+from autosp.ir.verify import verify
+from autosp.passes.shard import shard_graph
+from autosp.passes.shard_ctx import MeshInfo
+from autosp.trace import trace
+
+_AXES = ("dp", "sp")
+
+
+def mesh_info(mesh) -> MeshInfo:
+    """The sp (and dp) process groups of a DeviceMesh, with a clear error for any other mesh."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if "sp" not in names:
+        raise AutospError(
+            f"autosp: the mesh has axes {names or '(unnamed)'} and no 'sp' axis to shard the sequence over. "
+            "Fix: init_device_mesh('cpu', (P,), mesh_dim_names=('sp',)) or (D, P) with ('dp', 'sp').")
+    extra = [n for n in names if n not in _AXES]
+    if extra:
+        raise AutospError(f"autosp: mesh axes {extra} are not understood (only 'dp' and 'sp'). "
+                          "Fix: build the mesh with mesh_dim_names=('dp', 'sp') or ('sp',).")
+    sp = mesh.get_group("sp")
+    info = MeshInfo(sp_size=dist.get_world_size(sp), sp_group=sp.group_name)
+    if "dp" in names:
+        dp = mesh.get_group("dp")
+        info.dp_size, info.dp_group = dist.get_world_size(dp), dp.group_name
+    return info
+
+
+class Sharded:
+    """fn made sequence-parallel; compiled once per input signature (shapes, dtypes, mesh)."""
+
+    def __init__(self, fn, mesh, in_specs=None, out_specs=None):
+        self.fn, self.mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
+        self.info = mesh_info(mesh)
+        self._cache: dict = {}
+        self.__wrapped__ = fn
+        self.__name__ = getattr(fn, "__name__", "sharded")
+
+    # ------------------------------------------------------------ compile
+    def _check_args(self, args):
+        try:
+            inspect.signature(self.fn).bind(*args)
+        except TypeError as exc:
+            raise AutospError(f"autosp.shard({self.__name__}): {exc} (got {len(args)} arguments). "
+                              "Fix: call with the arguments the single-device function takes.") from None
+        except ValueError:
+            pass
+
+    def _signature(self, leaves):
+        return tuple((tuple(x.shape), x.dtype, x.requires_grad, x.device.type) if isinstance(x, torch.Tensor)
+                     else ("static", x) for x in leaves)
+
+    def _agree(self, sig):
+        """All sp ranks must pass the same global values: compare signatures once per compile."""
+        group = dist.distributed_c10d._resolve_process_group(self.info.sp_group)
+        sigs = [None] * self.info.sp_size
+        dist.all_gather_object(sigs, repr(sig), group=group)
+        if len(set(sigs)) > 1:
+            mine = dist.get_rank(group)
+            other = next(i for i, s in enumerate(sigs) if s != sigs[mine])
+            raise AutospError(
+                f"autosp.shard({self.__name__}): sp rank {mine} and sp rank {other} passed arguments of different "
+                f"shapes or dtypes:\n  rank {mine}: {sigs[mine][:400]}\n  rank {other}: {sigs[other][:400]}\n"
+                "Fix: every rank of an sp group passes the same global batch (shard along dp instead).")
+
+    def graphs(self, *args) -> tuple[Graph, Graph]:
+        """(global trace, per-rank sharded graph) for these arguments."""
+        self._check_args(args)
+        graph = trace(self.fn, *args)
+        specs = _flat_specs(self.in_specs, args, graph)
+        keep = _keep_sharded(self.out_specs, graph)
+        local = shard_graph(graph, self.info, in_specs=specs, keep_sharded=keep)
+        if os.environ.get("AUTOSP_CHECKS") == "1":
+            verify(local)
+        return graph, local
+
+    def compile(self, *args):
+        leaves, spec = pytree.tree_flatten(args)
+        key = (spec, self._signature(leaves))
+        hit = self._cache.get(key)
+        if hit is None:
+            self._agree(key[1])
+            _, local = self.graphs(*args)
+            hit = self._cache[key] = (local, lower(local))
+        return hit
+
+    def __call__(self, *args):
+        local, module = self.compile(*args)
+        leaves, _ = pytree.tree_flatten(args)
+        static = {i for i, _ in local.static_args}
+        outs = module(*[x for i, x in enumerate(leaves) if i not in static])
+        return pytree.tree_unflatten(list(outs), local.out_spec)
+
+
+def _flat_specs(in_specs, args, graph: Graph):
+    if in_specs is None:
+        return None
+    if not isinstance(in_specs, tuple):
+        in_specs = (in_specs,)
+    leaves, spec = pytree.tree_flatten(args)
+    try:
+        flat = pytree._broadcast_to_and_flatten(tuple(in_specs), spec)
+    except Exception:  # noqa: BLE001
+        flat = None
+    if flat is None:
+        raise AutospError(f"autosp.shard: in_specs {in_specs!r} does not match the arguments' structure {spec}. "
+                          "Fix: give one spec (or None) per argument, e.g. in_specs=(None, 'b s', 'b s').")
+    static = {i for i, _ in graph.static_args}
+    return [s for i, s in enumerate(flat) if i not in static]
+
+
+def _keep_sharded(out_specs, graph: Graph) -> set[int]:
+    if out_specs is None:
+        return set()
+    specs = out_specs if isinstance(out_specs, (list, tuple)) else [out_specs] * len(graph.outputs)
+    return {i for i, s in enumerate(specs) if isinstance(s, str) and "sp" in s}
+
+
+def shard(fn=None, mesh=None, *, in_specs=None, out_specs=None):
+    """fn's sequence-parallel twin over mesh's 'sp' axis; also usable as @shard(mesh=mesh)."""
+    if fn is None:
+        return lambda f: Sharded(f, mesh, in_specs, out_specs)
+    if mesh is None:
+        raise AutospError("autosp.shard: no mesh given. Fix: autosp.shard(fn, mesh) or @autosp.shard(mesh=mesh).")
+    return Sharded(fn, mesh, in_specs, out_specs)
+
+
+def value_and_grad(fn, mesh, *, in_specs=None, out_specs=None):
+    """JAX-style: (loss, grads of the first argument), both the single-device values on every sp rank."""
+    step = shard(fn, mesh, in_specs=in_specs, out_specs=out_specs)
+
+    def run(params, *rest):
+        leaves, spec = pytree.tree_flatten(params)
+        live = [x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                for x in leaves]
+        loss = step(pytree.tree_unflatten(live, spec), *rest)
+        wrt = [x for x in live if isinstance(x, torch.Tensor) and x.requires_grad]
+        grads = iter(torch.autograd.grad(loss, wrt, allow_unused=True))
+        out = [next(grads) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in live]
+        out = [torch.zeros_like(x) if g is None and isinstance(x, torch.Tensor) else g for x, g in zip(live, out)]
+        return loss.detach(), pytree.tree_unflatten(out, spec)
+
+    run.sharded = step
+    return run
+
+
+class ShardedModule(torch.nn.Module):
+    """nn.Module path: forward is sharded; loss.backward() fills the module's .grad as usual."""
+
+    def __init__(self, module: torch.nn.Module, mesh, in_specs=None, out_specs=None):
+        super().__init__()
+        self.module = module
+        self._step = shard(self._call, mesh, in_specs=in_specs, out_specs=out_specs)
+
+    def _call(self, params, args, kwargs):
+        return torch.func.functional_call(self.module, params, args, kwargs)
+
+    def forward(self, *args, **kwargs):
+        return self._step(dict(self.module.named_parameters()), args, kwargs)
+
+
+def compile(model: torch.nn.Module, mesh, *, in_specs=None, out_specs=None) -> ShardedModule:  # noqa: A001
+    return ShardedModule(model, mesh, in_specs, out_specs)
+
+
+def explain(fn, mesh, *args, in_specs=None) -> str:
+    """The chain printed: the global trace, then the per-rank graph with layouts and collectives."""
+    graph, local = Sharded(fn, mesh, in_specs).graphs(*args)
+    colls = [e for e in local.eqns if e.op.name in ("all_to_all", "all_reduce_sum", "all_gather_seq")]
+    head = (f"# autosp.explain: sp={mesh_info(mesh).sp_size}, {len(graph.eqns)} global equations -> "
+            f"{len(local.eqns)} per-rank, collectives: "
+            + ", ".join(f"{n}x{sum(e.op.name == n for e in colls)}" for n in sorted({e.op.name for e in colls})))
+    return "\n\n".join([head, str(graph), str(local)])

@@ -1,0 +1,257 @@
+"""Collectives as ops: torch.library custom ops (fake + autograd) over process-group names.
+
+Each is one IR op with a shape function (its fake), so the verifier, lowering and
+autograd treat them like any aten op. On CPU they run on gloo; on GPU on NCCL/RCCL.
+
+Gradient conventions (per rank r, with local objective L_r and sum_r L_r = L):
+  shard_slice     R -> S   backward: the local grad scattered into zeros (a partial grad)
+  all_reduce_sum  P -> R   backward: identity
+  all_gather_seq  S -> R   backward: all-reduce, then this rank's chunk
+  all_to_all      S <-> H  backward: the inverse all-to-all
+  grad_sync       R -> R   identity forward; backward sums the partial grads (params)
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+
+def _pg(name: str):
+    return _resolve_process_group(name)
+
+
+def group_rank(name: str) -> int:
+    return dist.get_rank(_pg(name))
+
+
+def group_size(name: str) -> int:
+    return dist.get_world_size(_pg(name))
+
+
+# ---------------------------------------------------------------- shard_slice / its backward
+
+def _split_seq(shape, dim, outer, inner):
+    length = shape[dim] // (outer * inner)
+    return tuple(shape[:dim]) + (outer, length, inner) + tuple(shape[dim + 1:]), length
+
+
+@torch.library.custom_op("autosp::shard_slice", mutates_args=())
+def shard_slice(x: Tensor, dim: int, outer: int, chunk: int, inner: int, group_name: str) -> Tensor:
+    """This rank's chunk of a replicated value along its sequence (zero-padded to P * chunk)."""
+    r, p = group_rank(group_name), group_size(group_name)
+    split, length = _split_seq(x.shape, dim, outer, inner)
+    v = x.reshape(split)
+    lo, hi = r * chunk, min((r + 1) * chunk, length)
+    part = v.narrow(dim + 1, lo, max(0, hi - lo)) if lo < length else v.narrow(dim + 1, 0, 0)
+    if part.shape[dim + 1] < chunk:
+        pad_shape = list(part.shape)
+        pad_shape[dim + 1] = chunk - part.shape[dim + 1]
+        part = torch.cat([part, part.new_zeros(pad_shape)], dim=dim + 1)
+    out_shape = list(x.shape)
+    out_shape[dim] = outer * chunk * inner
+    return part.reshape(out_shape).clone()
+
+
+@shard_slice.register_fake
+def _(x, dim, outer, chunk, inner, group_name):
+    shape = list(x.shape)
+    shape[dim] = outer * chunk * inner
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("autosp::unshard_grad", mutates_args=())
+def unshard_grad(g: Tensor, length: int, dim: int, outer: int, chunk: int, inner: int, group_name: str) -> Tensor:
+    """The backward of shard_slice: the local grad in place, zeros elsewhere, padding dropped."""
+    r, p = group_rank(group_name), group_size(group_name)
+    split = list(g.shape[:dim]) + [outer, chunk, inner] + list(g.shape[dim + 1:])
+    full = list(split)
+    full[dim + 1] = p * chunk
+    out = g.new_zeros(full)
+    out.narrow(dim + 1, r * chunk, chunk).copy_(g.reshape(split))
+    out = out.narrow(dim + 1, 0, length)
+    shape = list(g.shape)
+    shape[dim] = outer * length * inner
+    return out.reshape(shape)
+
+
+@unshard_grad.register_fake
+def _(g, length, dim, outer, chunk, inner, group_name):
+    shape = list(g.shape)
+    shape[dim] = outer * length * inner
+    return g.new_empty(shape)
+
+
+def _shard_slice_setup(ctx, inputs, output):
+    x, dim, outer, chunk, inner, group_name = inputs
+    ctx.args = (x.shape[dim] // (outer * inner), dim, outer, chunk, inner, group_name)
+
+
+def _shard_slice_backward(ctx, g):
+    return unshard_grad(g, *ctx.args), None, None, None, None, None
+
+
+shard_slice.register_autograd(_shard_slice_backward, setup_context=_shard_slice_setup)
+
+
+# ---------------------------------------------------------------- all_reduce_sum
+
+@torch.library.custom_op("autosp::all_reduce_sum", mutates_args=())
+def all_reduce_sum(x: Tensor, group_name: str) -> Tensor:
+    out = x.clone()
+    dist.all_reduce(out, group=_pg(group_name))
+    return out
+
+
+@all_reduce_sum.register_fake
+def _(x, group_name):
+    return torch.empty_like(x)
+
+
+all_reduce_sum.register_autograd(lambda ctx, g: (g, None))
+
+
+# ---------------------------------------------------------------- all_gather_seq
+
+@torch.library.custom_op("autosp::all_gather_seq", mutates_args=())
+def all_gather_seq(x: Tensor, length: int, dim: int, outer: int, chunk: int, inner: int, group_name: str) -> Tensor:
+    """The global value from every rank's chunk, padding dropped: the exact fallback."""
+    p = group_size(group_name)
+    parts = [torch.empty_like(x) for _ in range(p)]
+    dist.all_gather(parts, x.contiguous(), group=_pg(group_name))
+    split = list(x.shape[:dim]) + [outer, chunk, inner] + list(x.shape[dim + 1:])
+    full = torch.cat([t.reshape(split) for t in parts], dim=dim + 1).narrow(dim + 1, 0, length)
+    shape = list(x.shape)
+    shape[dim] = outer * length * inner
+    return full.reshape(shape)
+
+
+@all_gather_seq.register_fake
+def _(x, length, dim, outer, chunk, inner, group_name):
+    shape = list(x.shape)
+    shape[dim] = outer * length * inner
+    return x.new_empty(shape)
+
+
+def _gather_setup(ctx, inputs, output):
+    ctx.args = inputs[2:]
+
+
+def _gather_backward(ctx, g):
+    dim, outer, chunk, inner, group_name = ctx.args
+    total = all_reduce_sum(g.contiguous(), group_name)
+    return shard_slice(total, dim, outer, chunk, inner, group_name), None, None, None, None, None, None
+
+
+all_gather_seq.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+# ---------------------------------------------------------------- all_to_all (Ulysses)
+
+def _a2a_shape(shape, scatter_dim, gather_dim, p):
+    out = list(shape)
+    out[scatter_dim] //= p
+    out[gather_dim] *= p
+    return out
+
+
+def a2a_pack(xs: list[Tensor], scatter_dim: int, p: int) -> Tensor:
+    """The rank-major send buffer: row r holds, for each x, its r-th slice along scatter_dim."""
+    rows = []
+    for x in xs:
+        shape = list(x.shape)
+        split = shape[:scatter_dim] + [p, shape[scatter_dim] // p] + shape[scatter_dim + 1:]
+        rows.append(x.reshape(split).movedim(scatter_dim, 0).reshape(p, -1))
+    return torch.cat(rows, dim=1).reshape(-1) if len(rows) > 1 else rows[0].contiguous().reshape(-1)
+
+
+def a2a_unpack(recv: Tensor, shapes: list[list[int]], scatter_dim: int, gather_dim: int, p: int) -> list[Tensor]:
+    """Row r of the receive buffer came from rank r: concatenate the rows along gather_dim."""
+    sizes, chunks = [], []
+    for shape in shapes:
+        chunk = list(shape)
+        chunk[scatter_dim] //= p
+        chunks.append(chunk)
+        n = 1
+        for d in chunk:
+            n *= d
+        sizes.append(n)
+    outs = []
+    for piece, chunk in zip(recv.reshape(p, -1).split(sizes, dim=1), chunks):
+        v = piece.reshape([p] + chunk).movedim(0, gather_dim)
+        out = list(chunk)
+        out[gather_dim] *= p
+        outs.append(v.reshape(out))
+    return outs
+
+
+@torch.library.custom_op("autosp::all_to_all", mutates_args=())
+def all_to_all(xs: list[Tensor], scatter_dim: int, gather_dim: int, group_name: str) -> list[Tensor]:
+    """Split each x along scatter_dim over the ranks and gather along gather_dim: one collective.
+
+    With (scatter 1, gather 2) on [b, h, s/P, d] this is Ulysses' `b h (sp s) d -> b (sp h) s d`
+    for Q, K and V in one buffer; (2, 1) is the inverse after attention.
+    """
+    p = group_size(group_name)
+    send = a2a_pack(xs, scatter_dim, p)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=_pg(group_name))
+    return a2a_unpack(recv, [list(x.shape) for x in xs], scatter_dim, gather_dim, p)
+
+
+@all_to_all.register_fake
+def _(xs, scatter_dim, gather_dim, group_name):
+    p = group_size(group_name)
+    return [x.new_empty(_a2a_shape(x.shape, scatter_dim, gather_dim, p)) for x in xs]
+
+
+def _a2a_setup(ctx, inputs, output):
+    ctx.args = inputs[1:]
+
+
+def _a2a_backward(ctx, grads):
+    scatter_dim, gather_dim, group_name = ctx.args
+    grads = [g.contiguous() for g in grads]
+    return all_to_all(grads, gather_dim, scatter_dim, group_name), None, None, None
+
+
+all_to_all.register_autograd(_a2a_backward, setup_context=_a2a_setup)
+
+
+# ---------------------------------------------------------------- positions of this rank
+
+@torch.library.custom_op("autosp::local_positions", mutates_args=())
+def local_positions(chunk: int, group_name: str, device: torch.device) -> Tensor:
+    """Global sequence positions of this rank's chunk: r * chunk + arange(chunk)."""
+    return torch.arange(chunk, device=device) + group_rank(group_name) * chunk
+
+
+@local_positions.register_fake
+def _(chunk, group_name, device):
+    return torch.empty(chunk, dtype=torch.long, device=device)
+
+
+# ---------------------------------------------------------------- grad_sync
+
+class _GradSync(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group_names):
+        ctx.group_names = group_names
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        for name in ctx.group_names:
+            dist.all_reduce(g, group=_pg(name))
+        return g, None
+
+
+def grad_sync(x: Tensor, group_names: tuple[str, ...]) -> Tensor:
+    """Identity whose backward sums the partial grads of a replicated input over the mesh.
+
+    An autograd.Function rather than a custom op: a custom op may not return an alias,
+    and a copy of every parameter per step would cost what the parameters weigh.
+    """
+    return _GradSync.apply(x, group_names)

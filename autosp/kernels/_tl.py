@@ -1,0 +1,59 @@
+"""Row reductions that work in compiled kernels and in interpreted ones alike.
+
+`tl.max`, `tl.sum` and `tl.zeros` are themselves `@triton.jit` library functions.
+When triton was imported without TRITON_INTERPRET (torch's flop counter imports
+it early), an interpreted kernel cannot call them (see `_triton.py`). The builtin
+`tl.reduce` with the library's own combine functions is what `tl.max`/`tl.sum`
+compile to for fp32 rows, and the interpreter recognises those combine functions
+and reduces with numpy; our own combine function is the fallback should a
+Triton release rename them (correct, only slower in the interpreter).
+Kernels use `tl.full` instead of `tl.zeros` for the same reason.
+"""
+import triton.language as tl
+
+from autosp.kernels._triton import jit
+
+
+@jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@jit
+def _sum_combine(a, b):
+    return a + b
+
+
+MAX_COMBINE = getattr(tl.standard, "_elementwise_max", None) or _max_combine
+SUM_COMBINE = getattr(tl.standard, "_sum_combine", None) or _sum_combine
+
+
+@jit
+def row_max(x):
+    # x [M, N] fp32 -> [M]
+    return tl.reduce(x, 1, MAX_COMBINE)
+
+
+@jit
+def row_sum(x):
+    # x [M, N] fp32 -> [M]
+    return tl.reduce(x, 1, SUM_COMBINE)
+
+
+@jit
+def _probe_loop(X, n):
+    # The interpreter features the kernels rely on: a loop with a runtime bound, a reduction.
+    acc = tl.full([16], 0.0, dtype=tl.float32)
+    for _ in range(0, n, 1):
+        acc += 1.0
+    tl.store(X + tl.arange(0, 16), acc + row_sum(acc[:, None] * 0.0))
+
+
+def probe_interpreter() -> None:
+    """Raise if this Triton's interpreter cannot run our kernels on CPU tensors."""
+    import torch
+
+    x = torch.zeros(16)
+    _probe_loop[(1,)](x, 3)
+    if not bool((x == 3).all()):
+        raise RuntimeError(f"probe kernel computed {x.tolist()}, expected 3s")

@@ -1,0 +1,291 @@
+"""Find the sequence dim of every value: seeded at attention (SDPA's L), spread by dim links.
+
+Each op family contributes links between an input dim and an output dim that index
+the same positions. The sequence found at attention's Q/K/V spreads along links in
+both directions, to the token ids, the labels, the position ids and the logits.
+A position is (dim, outer, inner): the sequence is the middle factor of a dim that
+may be a merge such as (b s).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
+
+from autosp.errors import ShardError
+from autosp.ir.core import Eqn, Graph, Var
+from autosp.ir.ops import Tag
+
+
+@dataclass(frozen=True, slots=True)
+class SeqPos:
+    dim: int
+    outer: int = 1
+    inner: int = 1
+
+    def length(self, var: Var) -> int:
+        return var.shape[self.dim] // (self.outer * self.inner)
+
+
+Map = Callable[[SeqPos], "SeqPos | None"]
+Link = tuple[Var, Var, Map, Map]
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+def dim_link(a: Var, b: Var, mapping: dict[int, int]) -> Link:
+    """Link dims a[i] <-> b[mapping[i]]; merged positions keep their factors."""
+    inv = {v: k for k, v in mapping.items()}
+    fwd = lambda p: SeqPos(mapping[p.dim], p.outer, p.inner) if p.dim in mapping else None
+    bwd = lambda p: SeqPos(inv[p.dim], p.outer, p.inner) if p.dim in inv else None
+    return (a, b, fwd, bwd)
+
+
+def reshape_pos(src: tuple[int, ...], dst: tuple[int, ...], p: SeqPos) -> SeqPos | None:
+    """Where a sequence at `p` in a contiguous `src` lands in `dst` (None if split across dims)."""
+    length = src[p.dim] // (p.outer * p.inner)
+    if length <= 1:
+        return None
+    stride = p.inner * _prod(src[p.dim + 1:])
+    suffix = 1
+    for j in reversed(range(len(dst))):
+        size = dst[j]
+        if stride % suffix == 0 and (suffix * size) % (stride * length) == 0:
+            inner = stride // suffix
+            return SeqPos(j, size // (inner * length), inner)
+        suffix *= size
+        if suffix > stride:
+            break
+    return None
+
+
+def _aligned(x: Var, out: Var) -> dict[int, int]:
+    off = out.ndim - x.ndim
+    return {i: i + off for i in range(x.ndim)
+            if i + off >= 0 and x.shape[i] == out.shape[i + off] and x.shape[i] != 1}
+
+
+def _norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def _arg(e: Eqn, i: int, name: str, default=None):
+    args, kwargs = e.var_args()
+    if len(args) > i:
+        return args[i]
+    return kwargs.get(name, default)
+
+
+# ---------------------------------------------------------------- link rules, one per op family
+
+def links_same(e: Eqn) -> list[Link]:
+    """Broadcasting position-wise ops: dims aligned from the right with equal sizes."""
+    out = e.outputs[0]
+    return [dim_link(x, out, _aligned(x, out)) for x in e.inputs if x.dtype is not None]
+
+
+def links_index(e: Eqn) -> list[Link]:
+    """slice / pad / roll / cumsum: every dim keeps its meaning (the sliced one changes length)."""
+    x, out = e.inputs[0], e.outputs[0]
+    return [dim_link(x, out, {i: i for i in range(x.ndim)})] if x.ndim == out.ndim else []
+
+
+def links_linear(e: Eqn) -> list[Link]:
+    x, out = e.inputs[0], e.outputs[0]
+    return [dim_link(x, out, {i: i for i in range(x.ndim - 1)})]
+
+
+def links_matmul(e: Eqn) -> list[Link]:
+    out = e.outputs[0]
+    a, b = e.inputs[0], e.inputs[1] if len(e.inputs) > 1 else None
+    res = [dim_link(a, out, {i: i + out.ndim - a.ndim for i in range(a.ndim - 1) if i + out.ndim - a.ndim >= 0})]
+    if b is not None and b.ndim >= 2:
+        m = {b.ndim - 1: out.ndim - 1}
+        m.update({i: i + out.ndim - b.ndim for i in range(b.ndim - 2) if b.shape[i] != 1})
+        res.append(dim_link(b, out, m))
+    return res
+
+
+def links_embedding(e: Eqn) -> list[Link]:
+    ids, out = e.inputs[1], e.outputs[0]
+    return [dim_link(ids, out, {i: i for i in range(ids.ndim)})]
+
+
+def links_reshape(e: Eqn) -> list[Link]:
+    x, out = e.inputs[0], e.outputs[0]
+    return [(x, out, lambda p: reshape_pos(x.shape, out.shape, p),
+             lambda p: reshape_pos(out.shape, x.shape, p))]
+
+
+def links_permute(e: Eqn) -> list[Link]:
+    x, out = e.inputs[0], e.outputs[0]
+    name = e.op.name
+    if name == "t":
+        perm = list(reversed(range(x.ndim)))
+    elif name == "transpose":
+        d0, d1 = (_norm_dim(_arg(e, 1, "dim0"), x.ndim), _norm_dim(_arg(e, 2, "dim1"), x.ndim))
+        perm = list(range(x.ndim))
+        perm[d0], perm[d1] = perm[d1], perm[d0]
+    else:
+        perm = [_norm_dim(d, x.ndim) for d in _arg(e, 1, "dims")]
+    return [dim_link(x, out, {src: dst for dst, src in enumerate(perm)})]
+
+
+def links_unsqueeze(e: Eqn) -> list[Link]:
+    x, out = e.inputs[0], e.outputs[0]
+    d = _norm_dim(_arg(e, 1, "dim"), out.ndim)
+    return [dim_link(x, out, {i: (i if i < d else i + 1) for i in range(x.ndim)})]
+
+
+def links_squeeze(e: Eqn) -> list[Link]:
+    x, out = e.inputs[0], e.outputs[0]
+    kept = [i for i in range(x.ndim) if x.shape[i] != 1] if x.ndim - out.ndim == sum(s == 1 for s in x.shape) else None
+    if kept is None:
+        dims = _arg(e, 1, "dim")
+        dims = {_norm_dim(d, x.ndim) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+        kept = [i for i in range(x.ndim) if not (i in dims and x.shape[i] == 1)]
+    return [dim_link(x, out, {src: dst for dst, src in enumerate(kept)})]
+
+
+def links_select(e: Eqn) -> list[Link]:
+    x, out = e.inputs[0], e.outputs[0]
+    d = _norm_dim(_arg(e, 1, "dim"), x.ndim)
+    return [dim_link(x, out, {i: (i if i < d else i - 1) for i in range(x.ndim) if i != d})]
+
+
+def links_multi_same(e: Eqn) -> list[Link]:
+    """split / chunk / unbind: every output indexes the input's positions (unbind drops a dim)."""
+    x = e.inputs[0]
+    res = []
+    for out in e.outputs:
+        if out.ndim == x.ndim:
+            res.append(dim_link(x, out, {i: i for i in range(x.ndim)}))
+        elif out.ndim == x.ndim - 1:
+            d = _norm_dim(_arg(e, 1, "dim", 0), x.ndim)
+            res.append(dim_link(x, out, {i: (i if i < d else i - 1) for i in range(x.ndim) if i != d}))
+    return res
+
+
+def links_cat(e: Eqn) -> list[Link]:
+    out = e.outputs[0]
+    return [dim_link(x, out, {i: i for i in range(x.ndim)}) for x in e.inputs if x.ndim == out.ndim]
+
+
+def links_attention(e: Eqn) -> list[Link]:
+    q, k, v = e.inputs[:3]
+    out = e.outputs[0]
+    n = q.ndim
+    return [dim_link(q, out, {i: i for i in range(n)}),
+            dim_link(k, out, {0: 0, n - 2: n - 2}), dim_link(v, out, {0: 0, n - 2: n - 2})]
+
+
+def links_loss(e: Eqn) -> list[Link]:
+    x, t = e.inputs[0], e.inputs[1]
+    m = {0: 0} if x.ndim >= 1 and t.ndim >= 1 else {}
+    m.update({i: i - 1 for i in range(2, x.ndim)})
+    res = [dim_link(x, t, m)]
+    out = e.outputs[0]
+    if out.ndim == t.ndim and out.ndim > 0:
+        res.append(dim_link(t, out, {i: i for i in range(t.ndim)}))
+    return res
+
+
+def links_reduce(e: Eqn) -> list[Link]:
+    x, out = e.inputs[0], e.outputs[0]
+    dims = _arg(e, 1, "dim")
+    if dims is None or out.ndim == 0:
+        return []
+    dims = {_norm_dim(d, x.ndim) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+    keep = bool(_arg(e, 2, "keepdim", False))
+    m, j = {}, 0
+    for i in range(x.ndim):
+        if i in dims:
+            j += 1 if keep else 0
+            continue
+        m[i] = j
+        j += 1
+    return [dim_link(x, out, m)]
+
+
+_SAME_NAMES = {"contiguous", "alias", "clone", "detach", "lift_fresh_copy", "to.dtype", "to.device",
+               "to.dtype_layout", "to.other", "_to_copy.default", "type_as.default", "detach_.default",
+               "dropout", "native_dropout", "expand", "expand_as", "slice", "narrow", "pad", "roll",
+               "flip", "cumsum", "tril", "triu", "repeat_interleave", "softmax", "_softmax", "log_softmax",
+               "_log_softmax", "layer_norm", "native_layer_norm", "rms_norm", "masked_fill.Scalar",
+               "masked_fill.Tensor", "where.self", "fill_.Scalar", "zeros_like", "ones_like", "full_like",
+               "empty_like", "rand_like", "randn_like", "bernoulli"}
+
+LINK_RULES: dict[str, Callable[[Eqn], list[Link]]] = {
+    "linear": links_linear, "matmul": links_matmul, "embedding": links_embedding,
+    "view": links_reshape, "reshape": links_reshape, "_unsafe_view": links_reshape, "flatten": links_reshape,
+    "unflatten": links_reshape, "view_as": links_reshape, "reshape_as": links_reshape,
+    "permute": links_permute, "transpose": links_permute, "t": links_permute,
+    "unsqueeze": links_unsqueeze, "squeeze": links_squeeze, "select": links_select,
+    "split": links_multi_same, "split_with_sizes": links_multi_same, "chunk": links_multi_same,
+    "unbind": links_multi_same, "cat": links_cat, "attention": links_attention,
+    "cross_entropy": links_loss, "nll_loss": links_loss,
+    "sum": links_reduce, "mean": links_reduce, "amax": links_reduce, "amin": links_reduce,
+    "logsumexp": links_reduce, "prod": links_reduce, "any": links_reduce, "all": links_reduce,
+    "var": links_reduce, "std": links_reduce,
+}
+for _n in _SAME_NAMES:
+    LINK_RULES[_n] = links_index if _n in {"slice", "narrow", "pad", "cumsum", "roll", "flip"} else links_same
+
+
+def links_for(e: Eqn) -> list[Link]:
+    if not e.outputs or e.outputs[0].dtype is None and not e.multi:
+        return []
+    rule = LINK_RULES.get(e.op.name)
+    if rule is None and e.op.has(Tag.ELEMENTWISE):
+        rule = links_same
+    return rule(e) if rule is not None else []
+
+
+def infer_seq_positions(graph: Graph, seeds: dict[str, SeqPos] | None = None) -> dict[str, SeqPos]:
+    """Var name -> where its sequence is. Seeds: attention's Q/K/V/out, plus user specs."""
+    pos: dict[str, SeqPos] = dict(seeds or {})
+    for e in graph.eqns:
+        if e.op.name == "attention" and e.op.target is not None:
+            for v in (*e.inputs[:3], e.outputs[0]):
+                pos.setdefault(v.name, SeqPos(v.ndim - 2))
+    adj: dict[str, list[tuple[Var, Map]]] = defaultdict(list)
+    for e in graph.eqns:
+        for a, b, fwd, bwd in links_for(e):
+            adj[a.name].append((b, fwd))
+            adj[b.name].append((a, bwd))
+    work = list(pos)
+    while work:
+        name = work.pop()
+        p = pos[name]
+        for other, f in adj.get(name, ()):
+            q = f(p)
+            if q is None or other.name in pos:
+                continue
+            if not (0 <= q.dim < other.ndim) or other.shape[q.dim] % (q.outer * q.inner) or q.length(other) <= 1:
+                continue
+            pos[other.name] = q
+            work.append(other.name)
+    return pos
+
+
+def attention_length(graph: Graph) -> int:
+    """The sequence length attention sees (the same for every attention op, else an error)."""
+    lengths = {}
+    for e in graph.eqns:
+        if e.op.name == "attention":
+            q, k = e.inputs[0], e.inputs[1]
+            if q.shape[-2] != k.shape[-2]:
+                raise ShardError(
+                    f"attention at {e.source}: queries of length {q.shape[-2]} attend keys of length "
+                    f"{k.shape[-2]} (cross-attention or a KV cache). autosp shards self-attention only. "
+                    "Fix: disable the cache (use_cache=False) or pass in_specs for a self-attention model.")
+            lengths[q.shape[-2]] = e
+    if len(lengths) > 1:
+        raise ShardError(f"attention runs at several sequence lengths {sorted(lengths)}; autosp shards one. "
+                         "Fix: run one sequence length per call.")
+    return next(iter(lengths)) if lengths else 0

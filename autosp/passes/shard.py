@@ -1,0 +1,109 @@
+"""The sharding pass: a global forward graph -> the graph one rank of `sp` runs.
+
+1. find every value's sequence dim (seqdims.py), seeded by attention or in_specs;
+2. mark activations: values that depend on a floating input (params, embeddings);
+   activations with a sequence dim are sharded, everything else (token ids, labels,
+   position ids, masks, RoPE tables) is computed replicated and sharded where it meets
+   an activation - which keeps label shifts and position ids exact;
+3. rewrite each equation with its rule (shard_rules.py), collectives as ordinary ops;
+4. outputs: sequence-sharded outputs are gathered; scalar losses are averaged over dp.
+"""
+from __future__ import annotations
+
+import torch
+
+from autosp import collectives as C
+from autosp.errors import ShardError
+from autosp.ir.core import Graph, Role, Var
+from autosp.layout import seq_dim_of_spec
+from autosp.passes.seqdims import SeqPos, attention_length, infer_seq_positions
+from autosp.passes.shard_ctx import MeshInfo, ShardCtx
+from autosp.passes.shard_rules import rule_for
+
+aten = torch.ops.aten
+
+
+def activations(graph: Graph) -> set[str]:
+    """Names of values that depend on a floating-point graph input (parameters, embeddings)."""
+    heavy = {v.name for v in graph.inputs if v.dtype is not None and v.dtype.is_floating_point}
+    for e in graph.eqns:
+        if any(x.name in heavy for x in e.inputs):
+            heavy.update(o.name for o in e.outputs)
+    return heavy
+
+
+def spec_seeds(graph: Graph, in_specs) -> dict[str, SeqPos | None]:
+    """Var name -> SeqPos (or None: no sequence) for inputs that have a spec."""
+    seeds = {}
+    if in_specs is None:
+        return seeds
+    for v, spec in zip(graph.inputs, in_specs):
+        if spec is None:
+            continue
+        d = seq_dim_of_spec(spec, v.shape, f"in_specs for input {v}")
+        seeds[v.name] = SeqPos(d) if d is not None else None
+    return seeds
+
+
+def shard_graph(graph: Graph, mesh: MeshInfo, *, in_specs=None, keep_sharded=()) -> Graph:
+    """Rewrite a global forward graph into the per-rank graph (local shapes, collectives)."""
+    seeds = spec_seeds(graph, in_specs)
+    length = attention_length(graph)
+    if not length:
+        lengths = {v.shape[p.dim] for v in graph.inputs if (p := seeds.get(v.name)) is not None}
+        if not lengths:
+            raise ShardError(
+                "autosp.shard: the function has no attention (scaled_dot_product_attention) to infer the "
+                "sequence dim from. Fix: pass in_specs, e.g. in_specs=(None, 'b s') for (params, input_ids).")
+        length = max(lengths)
+    blocked = {n for n, p in seeds.items() if p is None}
+    pos = infer_seq_positions(graph, {n: p for n, p in seeds.items() if p is not None})
+    for n in blocked:
+        pos.pop(n, None)
+    chunk = -(-length // mesh.sp_size)
+    ctx = ShardCtx(mesh=mesh, chunk=chunk, pos=pos, heavy=activations(graph))
+
+    new_inputs = []
+    with ctx.fake_mode:
+        for v in graph.inputs:
+            nv = Var(v.name, v.dtype, v.shape, v.device, role=v.role)
+            ctx.fakes[v.name] = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+            new_inputs.append(nv)
+            ctx.env[v.name] = nv
+    new_consts = []
+    for v, t in graph.consts:
+        ctx.fakes[v.name] = ctx.fake_mode.from_tensor(t)
+        ctx.env[v.name] = v
+        new_consts.append((v, t))
+    for v in graph.inputs:
+        if v.role is Role.PARAM:
+            ctx.env[v.name] = ctx.emit(C.grad_sync, (ctx.env[v.name], mesh.grad_groups))
+        if ctx.wants_shard(v):
+            ctx.rep[v.name] = ctx.env[v.name]
+            ctx.env[v.name] = ctx.shard(ctx.env[v.name], v)
+
+    for e in graph.eqns:
+        try:
+            rule_for(e)(ctx, e)
+        except ShardError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - name the equation that could not be rewritten
+            tail = "\n".join("    " + x.format() for x in ctx.eqns[-4:])
+            raise ShardError(f"autosp.shard: rewriting `{e.format()}` at {e.source} failed: "
+                             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n"
+                             f"  last equations emitted:\n{tail}") from exc
+
+    outputs = []
+    for i, o in enumerate(graph.outputs):
+        if not isinstance(o, Var):
+            outputs.append(o)
+            continue
+        new = ctx.env[o.name]
+        if new.layout is not None and i not in keep_sharded:
+            new = ctx.as_replicated(o)
+        if mesh.dp_group and new.ndim == 0 and new.dtype.is_floating_point:
+            new = ctx.emit(C.all_reduce_sum, (new, mesh.dp_group))
+            new = ctx.emit(aten.div.Scalar, (new, mesh.dp_size))
+        outputs.append(new)
+    return graph.replace(inputs=tuple(new_inputs), eqns=tuple(ctx.eqns), outputs=tuple(outputs),
+                         consts=tuple(new_consts), name="shard")

@@ -1,0 +1,152 @@
+"""The state of one sharding rewrite: the new graph being built, fake values, layouts, the mesh.
+
+Rules (in shard_rules.py) read the old equation and emit new ones through `ShardCtx.emit`,
+which runs the op on fake tensors to type its outputs, so every emitted equation is typed
+by the op itself and the rewrite can check local shapes as it goes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
+
+from autosp import collectives as C
+from autosp.errors import ShardError
+from autosp.ir.core import Eqn, Var
+from autosp.ir.ops import op_for
+from autosp.layout import Layout
+from autosp.passes.seqdims import SeqPos
+
+
+@dataclass
+class MeshInfo:
+    sp_size: int
+    sp_group: str
+    dp_size: int = 1
+    dp_group: str | None = None
+
+    @property
+    def grad_groups(self) -> tuple[str, ...]:
+        return (self.sp_group,) + ((self.dp_group,) if self.dp_group else ())
+
+
+@dataclass
+class ShardCtx:
+    mesh: MeshInfo
+    chunk: int                                   # local sequence length: ceil(L / P)
+    pos: dict[str, SeqPos]                       # old var name -> its sequence position
+    heavy: set[str]                              # old var names that are activations
+    env: dict[str, Var] = field(default_factory=dict)      # old name -> new var
+    eqns: list[Eqn] = field(default_factory=list)
+    fakes: dict[str, object] = field(default_factory=dict)
+    fake_mode: FakeTensorMode = field(default_factory=lambda: FakeTensorMode(allow_non_fake_inputs=True))
+    rep: dict[str, Var] = field(default_factory=dict)      # old name -> its replicated new var, when known
+    counter: int = 0
+    _cache: dict = field(default_factory=dict)
+
+    # ------------------------------------------------------------ building
+    def fresh(self) -> str:
+        self.counter += 1
+        return str(self.counter - 1)
+
+    def add_input(self, var: Var, fake) -> Var:
+        self.fakes[var.name] = fake
+        return var
+
+    def emit(self, target, args, kwargs=None, *, source=None, layouts=None):
+        """Append target(*args, **kwargs) (Vars inside) and return its output Var(s)."""
+        kwargs = kwargs or {}
+        leaf = lambda x: isinstance(x, Var)
+        fargs = pytree.tree_map(lambda x: self.fakes[x.name] if isinstance(x, Var) else x, args, is_leaf=leaf)
+        fkw = pytree.tree_map(lambda x: self.fakes[x.name] if isinstance(x, Var) else x, kwargs, is_leaf=leaf)
+        with self.fake_mode:
+            out = target(*fargs, **fkw)
+        multi = isinstance(out, (tuple, list))
+        outs_raw = list(out) if multi else ([] if out is None else [out])
+        layouts = list(layouts) if layouts is not None else [None] * len(outs_raw)
+        outs = []
+        for x, lay in zip(outs_raw, layouts):
+            if isinstance(x, torch.Tensor):
+                v = Var(self.fresh(), x.dtype, tuple(x.shape), str(x.device), layout=lay)
+            else:
+                v = Var(self.fresh(), None, ())
+            self.fakes[v.name] = x
+            outs.append(v)
+        self.eqns.append(Eqn.make(op_for(target), args, kwargs, outs, multi=multi, source=source))
+        if multi:
+            return tuple(outs)
+        return outs[0] if outs else None
+
+    # ------------------------------------------------------------ layouts
+    def layout_for(self, old: Var, length: int | None = None) -> Layout | None:
+        p = self.pos.get(old.name)
+        if p is None:
+            return None
+        glen = p.length(old)
+        return Layout(p.dim, min(glen, length) if length is not None else glen, self.chunk, p.outer, p.inner)
+
+    def wants_shard(self, old: Var) -> bool:
+        return old.name in self.heavy and old.name in self.pos and old.dtype is not None
+
+    def check_fits(self, old: Var, where: str):
+        p = self.pos[old.name]
+        if p.length(old) > self.chunk * self.mesh.sp_size:
+            raise ShardError(
+                f"{where}: the sequence dim {p.dim} of {old} ({old.type_str()}) has {p.length(old)} positions, "
+                f"more than attention's {self.chunk * self.mesh.sp_size} (padded for sp={self.mesh.sp_size}). "
+                "Fix: pass in_specs naming the sequence dim of each input.")
+
+    # ------------------------------------------------------------ collectives and helpers
+    def shard(self, new: Var, old: Var, source=None) -> Var:
+        """R -> S: this rank's chunk of a replicated value (cached per value)."""
+        key = ("shard", new.name)
+        if key not in self._cache:
+            self.check_fits(old, source or "shard")
+            lay = self.layout_for(old)
+            self._cache[key] = self.emit(C.shard_slice, (new, lay.dim, lay.outer, lay.chunk, lay.inner,
+                                                        self.mesh.sp_group), source=source, layouts=[lay])
+        return self._cache[key]
+
+    def gather(self, new: Var, source=None) -> Var:
+        """S -> R: the exact fallback; the global value (padding dropped) on every rank."""
+        key = ("gather", new.name)
+        if key not in self._cache:
+            lay = new.layout
+            self._cache[key] = self.emit(C.all_gather_seq, (new, lay.length, lay.dim, lay.outer, lay.chunk,
+                                                           lay.inner, self.mesh.sp_group), source=source)
+        return self._cache[key]
+
+    def valid_mask(self, new: Var) -> Var | None:
+        """Bool mask, broadcastable to `new`, of positions < the layout's valid length (None: all valid)."""
+        lay: Layout = new.layout
+        if lay.length >= lay.chunk * self.mesh.sp_size:
+            return None
+        key = ("valid", new.ndim, lay)
+        if key not in self._cache:
+            aten = torch.ops.aten
+            pos = self.emit(C.local_positions, (lay.chunk, self.mesh.sp_group, torch.device(new.device)))
+            ok = self.emit(aten.lt.Scalar, (pos, lay.length))
+            ok = self.emit(aten.view.default, (ok, [1, lay.chunk, 1]))
+            ok = self.emit(aten.expand.default, (ok, [lay.outer, lay.chunk, lay.inner]))
+            ok = self.emit(aten.reshape.default, (ok, [lay.local_size()]))
+            shape = [1] * new.ndim
+            shape[lay.dim] = lay.local_size()
+            self._cache[key] = self.emit(aten.view.default, (ok, shape))
+        return self._cache[key]
+
+    def as_sharded(self, old: Var, source=None) -> Var:
+        """The new value of `old`, sharded if it has a sequence dim and is replicated now."""
+        new = self.env[old.name]
+        if new.layout is None and old.name in self.pos and new.dtype is not None:
+            return self.shard(new, old, source)
+        return new
+
+    def as_replicated(self, old: Var, source=None) -> Var:
+        new = self.env[old.name]
+        if new.layout is None:
+            return new
+        if old.name not in self.rep:
+            self.rep[old.name] = self.gather(new, source)
+        return self.rep[old.name]

@@ -1,0 +1,342 @@
+"""One sharding rule per op family: how an equation runs when its sequence is split over `sp`.
+
+A rule reads the old (global) equation, emits new (local) equations through the
+ShardCtx and binds the old outputs to new vars. The table `RULES` is keyed by the
+canonical op name; `rule_for` gives the explicit default.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from autosp import collectives as C
+from autosp import ops as autosp_ops
+from autosp.errors import ShardError
+from autosp.ir.core import Eqn, Var
+from autosp.ir.ops import Tag
+from autosp.layout import Layout
+from autosp.passes.shard_ctx import ShardCtx
+
+aten = torch.ops.aten
+INT64_MAX = 9223372036854775807
+
+Rule = Callable[[ShardCtx, Eqn], None]
+
+
+def bind_schema(e: Eqn, values=None) -> dict:
+    """Argument name -> value (Vars where tensors go), defaults filled in, from the op's schema."""
+    args, kwargs = e.bind(values if values is not None else e.inputs)
+    out = {}
+    for i, a in enumerate(e.op.target._schema.arguments):
+        if i < len(args):
+            out[a.name] = args[i]
+        elif a.name in kwargs:
+            out[a.name] = kwargs[a.name]
+        else:
+            out[a.name] = a.default_value if a.has_default_value() else None
+    return out
+
+
+def _sharded_inputs(ctx: ShardCtx, e: Eqn) -> list[Var]:
+    return [ctx.env[x.name] for x in e.inputs if ctx.env[x.name].layout is not None]
+
+
+def _norm(d: int, n: int) -> int:
+    return d + n if d < 0 else d
+
+
+def describe(ctx: ShardCtx, e: Eqn) -> str:
+    ins = ", ".join(f"{x}: {ctx.env[x.name].type_str() if x.name in ctx.env else x.type_str()}" for x in e.inputs)
+    return (f"op `{e.op.name}` at {e.source or '<no source line>'} with inputs ({ins}) on a mesh with "
+            f"sp={ctx.mesh.sp_size}" + (f", dp={ctx.mesh.dp_size}" if ctx.mesh.dp_size > 1 else ""))
+
+
+# ---------------------------------------------------------------- the generic families
+
+def replicate(ctx: ShardCtx, e: Eqn, inputs: list[Var] | None = None) -> None:
+    """Run the op on replicated (global) values; shard outputs that are activations right after."""
+    new_in = inputs if inputs is not None else [ctx.as_replicated(x, e.source) for x in e.inputs]
+    args, kwargs = e.bind(new_in)
+    outs = ctx.emit(e.op.target, args, kwargs, source=e.source)
+    outs = outs if isinstance(outs, tuple) else ((outs,) if outs is not None else ())
+    for old, new in zip(e.outputs, outs):
+        ctx.env[old.name] = new
+        if ctx.wants_shard(old):
+            ctx.rep[old.name] = new
+            ctx.env[old.name] = ctx.shard(new, old, e.source)
+
+
+def gather_fallback(ctx: ShardCtx, e: Eqn) -> None:
+    """The documented exact fallback: all-gather the sequence, run globally, shard again."""
+    replicate(ctx, e)
+
+
+def positionwise(ctx: ShardCtx, e: Eqn) -> None:
+    """The shard passes through: inputs with a sequence go local, the op runs on the chunk."""
+    if not _sharded_inputs(ctx, e) and not any(ctx.wants_shard(o) for o in e.outputs):
+        return replicate(ctx, e)
+    target = e.op.target
+    new_in = [ctx.as_sharded(x, e.source) if x.name in ctx.pos else ctx.env[x.name] for x in e.inputs]
+    lengths = [v.layout.length for v in new_in if v.layout is not None]
+    length = min(lengths) if lengths else None
+    args, kwargs = e.bind(new_in)
+    if e.op.name in ("view", "reshape", "_unsafe_view", "expand"):
+        out = e.outputs[0]
+        lay = ctx.layout_for(out)
+        if lay is None:
+            raise ShardError(f"{describe(ctx, e)}: this reshape splits the sequence dim across dims or drops it. "
+                             "Fix: keep the sequence in one dim (merging it with the batch, `(b s)`, is fine).")
+        args = (args[0], list(lay.local_shape(out.shape))) + tuple(args[2:])
+    target = e.op.target
+    if e.op.name in ("view", "_unsafe_view"):
+        # the local value's strides can differ from the global trace's (an all-to-all output
+        # is contiguous where SDPA's was not): reshape is the same values, copying only if needed
+        target = aten.reshape.default
+    layouts = [ctx.layout_for(o, length) if o.name in ctx.pos else None for o in e.outputs]
+    if not e.multi and e.outputs and layouts[0] is None and lengths:
+        raise ShardError(f"{describe(ctx, e)}: the output loses the sharded sequence dim and autosp has no "
+                         "rule to combine the ranks' parts. Fix: reduce with sum/mean, or pass in_specs that "
+                         "leave this value replicated.")
+    outs = ctx.emit(target if lengths else e.op.target, args, kwargs, source=e.source, layouts=layouts)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    for old, new in zip(e.outputs, outs):
+        if new.layout is not None and new.shape != new.layout.local_shape(old.shape):
+            raise ShardError(f"{describe(ctx, e)}: local result {new.type_str()} does not match the layout "
+                             f"of the global {old.type_str()}. Fix: pass in_specs naming the sequence dim.")
+        ctx.env[old.name] = new
+
+
+def seq_dim_arg(arg_name: str, default=None, many: bool = False) -> Rule:
+    """Ops with a `dim` argument: position-wise unless that dim is the sharded sequence."""
+    def rule(ctx: ShardCtx, e: Eqn) -> None:
+        x = ctx.env[e.inputs[0].name]
+        if x.layout is None:
+            return positionwise(ctx, e)
+        d = bind_schema(e).get(arg_name, default)
+        dims = d if isinstance(d, (list, tuple)) else [d]
+        if d is None or d == [] or d == () or x.layout.dim in {_norm(v, x.ndim) for v in dims}:
+            return gather_fallback(ctx, e)
+        positionwise(ctx, e)
+    return rule
+
+
+def layer_norm_rule(ctx: ShardCtx, e: Eqn) -> None:
+    x = ctx.env[e.inputs[0].name]
+    n = len(bind_schema(e)["normalized_shape"])
+    if x.layout is not None and x.layout.dim >= x.ndim - n:
+        return gather_fallback(ctx, e)
+    positionwise(ctx, e)
+
+
+def slice_rule(ctx: ShardCtx, e: Eqn) -> None:
+    """x[:, :n] keeps the chunks (fewer valid positions); an offset needs the neighbours' data."""
+    x_old = e.inputs[0]
+    x = ctx.env[x_old.name]
+    b = bind_schema(e)
+    lay = x.layout
+    if lay is None or _norm(b["dim"], x.ndim) != lay.dim:
+        return positionwise(ctx, e)
+    glen = x_old.shape[lay.dim]
+    if e.op.name == "narrow":
+        start, end, step = b["start"], b["start"] + b["length"], 1
+    else:
+        start, end, step = b["start"] or 0, b["end"], b["step"] or 1
+        end = glen if end is None or end >= INT64_MAX else end
+    start, end = _norm(start, glen), min(_norm(end, glen), glen)
+    if step != 1 or start != 0 or lay.outer != 1 or lay.inner != 1:
+        return gather_fallback(ctx, e)
+    out = e.outputs[0]
+    new_lay = Layout(lay.dim, min(lay.length, end), lay.chunk, lay.outer, lay.inner)
+    ctx.env[out.name] = ctx.emit(aten.alias.default, (x,), source=e.source, layouts=[new_lay])
+
+
+def cat_rule(ctx: ShardCtx, e: Eqn) -> None:
+    """Empty placeholders (an empty KV cache) drop out; a cat along the sequence falls back."""
+    live = [t for t in e.inputs if t.numel() > 0]
+    if len(live) == 1 and len(e.inputs) > 1:
+        x = live[0]
+        new = ctx.as_sharded(x, e.source) if ctx.wants_shard(e.outputs[0]) else ctx.env[x.name]
+        lay = new.layout
+        ctx.env[e.outputs[0].name] = ctx.emit(aten.alias.default, (new,), source=e.source,
+                                             layouts=[lay] if lay is not None else None)
+        return
+    return seq_dim_arg("dim", 0)(ctx, e)
+
+
+def pad_rule(ctx: ShardCtx, e: Eqn) -> None:
+    x = ctx.env[e.inputs[0].name]
+    if x.layout is None:
+        return positionwise(ctx, e)
+    pads = list(bind_schema(e)["pad"])
+    touched = {x.ndim - 1 - i // 2 for i, p in enumerate(pads) if p}
+    if x.layout.dim in touched:
+        return gather_fallback(ctx, e)
+    positionwise(ctx, e)
+
+
+def matmul_rule(ctx: ShardCtx, e: Eqn) -> None:
+    """Sequence in the rows: position-wise. Sequence contracted: fall back."""
+    vals = [ctx.env[x.name] for x in e.inputs]
+    if len(vals) >= 2 and vals[1].layout is not None and vals[1].ndim >= 2 and vals[1].layout.dim >= vals[1].ndim - 2:
+        return gather_fallback(ctx, e)
+    if vals[0].layout is not None and vals[0].layout.dim == vals[0].ndim - 1:
+        return gather_fallback(ctx, e)
+    positionwise(ctx, e)
+
+
+def reduce_rule(ctx: ShardCtx, e: Eqn) -> None:
+    """sum/mean over the sequence: a masked local sum, one all-reduce; mean divides by the global count."""
+    x_old = e.inputs[0]
+    x = ctx.env[x_old.name]
+    if x.layout is None:
+        return positionwise(ctx, e)
+    b = bind_schema(e)
+    dims = b.get("dim")
+    dims = list(range(x.ndim)) if not dims else [_norm(d, x.ndim) for d in dims]
+    lay = x.layout
+    if lay.dim not in dims:
+        return positionwise(ctx, e)
+    if e.op.name not in ("sum", "mean"):
+        return gather_fallback(ctx, e)
+    keepdim = bool(b.get("keepdim") or False)
+    mask = ctx.valid_mask(x)
+    if mask is not None:
+        x = ctx.emit(aten.where.ScalarOther, (mask, x, 0), source=e.source)
+    kw = {"dtype": b["dtype"]} if b.get("dtype") is not None else {}
+    part = ctx.emit(aten.sum.dim_IntList, (x, dims, keepdim), kw, source=e.source)
+    total = ctx.emit(C.all_reduce_sum, (part, ctx.mesh.sp_group), source=e.source)
+    if e.op.name == "mean":
+        count = 1
+        for d in dims:
+            count *= lay.outer * lay.length * lay.inner if d == lay.dim else x_old.shape[d]
+        total = ctx.emit(aten.div.Scalar, (total, count), source=e.source)
+    ctx.env[e.outputs[0].name] = total
+
+
+def loss_rule(ctx: ShardCtx, e: Eqn) -> None:
+    """cross_entropy / nll_loss: per-token loss locally; mean = global sum / global count of
+    valid, non-ignored tokens (the count all-reduced with the sum, in one collective)."""
+    inp_old, tgt_old = e.inputs[0], e.inputs[1]
+    if ctx.env[inp_old.name].layout is None and not ctx.wants_shard(inp_old):
+        return replicate(ctx, e)
+    b = bind_schema(e)
+    if b.get("weight") is not None:
+        raise ShardError(f"{describe(ctx, e)}: class weights in a sharded loss are not supported yet. "
+                         "Fix: compute the loss with reduction='none' and weight it yourself.")
+    inp = ctx.as_sharded(inp_old, e.source)
+    tgt = ctx.as_sharded(tgt_old, e.source)
+    if inp.layout is None or tgt.layout is None:
+        raise ShardError(f"{describe(ctx, e)}: the loss input and target do not share the sequence dim. "
+                         "Fix: pass in_specs naming the sequence dim of the labels.")
+    ignore = b["ignore_index"]
+    args = [inp, tgt, None, 0, ignore] + ([b["label_smoothing"]] if "label_smoothing" in b else [])
+    per = ctx.emit(e.op.target, tuple(args), source=e.source, layouts=[tgt.layout])
+    reduction = b["reduction"]
+    if reduction == 0:
+        ctx.env[e.outputs[0].name] = per
+        return
+    valid = ctx.emit(aten.ne.Scalar, (tgt, ignore), source=e.source)
+    mask = ctx.valid_mask(tgt)
+    if mask is not None:
+        valid = ctx.emit(aten.logical_and.default, (valid, mask), source=e.source)
+    per = ctx.emit(aten.where.ScalarOther, (valid, per, 0.0), source=e.source)
+    total = ctx.emit(aten.sum.default, (per,), source=e.source)
+    if reduction == 2:
+        ctx.env[e.outputs[0].name] = ctx.emit(C.all_reduce_sum, (total, ctx.mesh.sp_group), source=e.source)
+        return
+    count = ctx.emit(aten.sum.dim_IntList, (valid, list(range(valid.ndim))), {"dtype": per.dtype},
+                     source=e.source)
+    both = ctx.emit(aten.stack.default, ([total, count],), source=e.source)
+    both = ctx.emit(C.all_reduce_sum, (both, ctx.mesh.sp_group), source=e.source)
+    num = ctx.emit(aten.select.int, (both, 0, 0), source=e.source)
+    den = ctx.emit(aten.select.int, (both, 0, 1), source=e.source)
+    ctx.env[e.outputs[0].name] = ctx.emit(aten.div.Tensor, (num, den), source=e.source)
+
+
+def attention_rule(ctx: ShardCtx, e: Eqn) -> None:
+    """Ulysses: Q, K, V all-to-all in one collective (`b h (sp s) d -> b (sp h) s d`), full-sequence
+    attention on h/P heads, the inverse all-to-all after. Masks stay exact; padding is masked."""
+    if e.op.target is not aten.scaled_dot_product_attention.default:
+        raise ShardError(f"{describe(ctx, e)}: only aten.scaled_dot_product_attention is sharded; this trace "
+                         "holds a backend attention op. Fix: shard the forward loss (autosp.shard / "
+                         "value_and_grad differentiate it), not a function that calls torch.func.grad.")
+    b = bind_schema(e)
+    q_old, k_old, v_old = e.inputs[:3]
+    p = ctx.mesh.sp_size
+    q, k, v = (ctx.as_sharded(t, e.source) for t in (q_old, k_old, v_old))
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.layout is None or t.layout.dim != t.ndim - 2 or t.ndim < 3:
+            raise ShardError(f"{describe(ctx, e)}: the {name} is not sharded along its sequence dim (-2). "
+                             "Fix: pass in_specs naming the sequence dim of the inputs.")
+    hq, hkv = q.shape[-3], k.shape[-3]
+    if hq % p:
+        raise ShardError(f"{describe(ctx, e)}: {hq} query heads cannot be split over sp={p} (Ulysses gives each "
+                         f"rank heads/sp heads). Fix: use an sp size that divides {hq}, or {hq + (-hq) % p} heads.")
+    if hkv % p:
+        rep = math.lcm(hkv, p) // hkv         # replicate KV heads so that each rank gets whole groups
+        k = ctx.emit(aten.repeat_interleave.self_int, (k, rep, k.ndim - 3), source=e.source, layouts=[k.layout])
+        v = ctx.emit(aten.repeat_interleave.self_int, (v, rep, v.ndim - 3), source=e.source, layouts=[v.layout])
+    hdim = q.ndim - 3
+    q2, k2, v2 = ctx.emit(C.all_to_all, ([q, k, v], hdim, hdim + 1, ctx.mesh.sp_group), source=e.source)
+    length, padded = q.layout.length, q.layout.chunk * p
+    mask = b["attn_mask"]
+    if mask is not None:
+        if mask.ndim >= 3 and mask.shape[-3] != 1:
+            raise ShardError(f"{describe(ctx, e)}: a per-head attention mask ({mask.type_str()}) is not sharded "
+                             "yet. Fix: use one mask for all heads ([b, 1, s, s]).")
+        mask = ctx.as_replicated(mask, e.source)
+        if padded > q_old.shape[-2]:
+            mask = ctx.emit(autosp_ops.pad_attn_mask, (mask, padded), source=e.source)
+    elif padded > length and not b["is_causal"]:
+        mask = ctx.emit(autosp_ops.key_padding_mask, (length, padded, torch.device(q.device)), source=e.source)
+    kw = {"attn_mask": mask, "dropout_p": b["dropout_p"], "is_causal": b["is_causal"], "scale": b["scale"]}
+    if b.get("enable_gqa"):
+        kw["enable_gqa"] = True
+    o2 = ctx.emit(e.op.target, (q2, k2, v2), kw, source=e.source)
+    (o,) = ctx.emit(C.all_to_all, ([o2], hdim + 1, hdim, ctx.mesh.sp_group), source=e.source,
+                    layouts=[Layout(q.ndim - 2, length, q.layout.chunk)])
+    ctx.env[e.outputs[0].name] = o
+
+
+def no_rule(ctx: ShardCtx, e: Eqn) -> None:
+    if not _sharded_inputs(ctx, e) and not any(ctx.wants_shard(o) for o in e.outputs):
+        return replicate(ctx, e)
+    raise ShardError(f"{describe(ctx, e)}: autosp has no sharding rule for this op on a sharded sequence. "
+                     "Fix: write it with position-wise ops, or pass in_specs that leave its inputs replicated.")
+
+
+_POSITIONWISE_NAMES = {
+    "linear", "embedding", "view", "reshape", "_unsafe_view", "expand", "expand_as", "permute", "transpose", "t",
+    "unsqueeze", "squeeze", "contiguous", "alias", "clone", "detach", "lift_fresh_copy", "to.dtype", "to.device",
+    "to.dtype_layout", "to.other", "_to_copy.default", "type_as.default", "dropout", "native_dropout",
+    "where.self", "masked_fill.Scalar", "masked_fill.Tensor", "zeros_like", "ones_like", "full_like",
+    "empty_like", "rand_like", "randn_like", "bernoulli", "flatten", "unflatten", "view_as", "reshape_as",
+    "rms_norm",
+}
+
+RULES: dict[str, Rule] = {name: positionwise for name in _POSITIONWISE_NAMES}
+RULES.update({
+    "attention": attention_rule, "cross_entropy": loss_rule, "nll_loss": loss_rule,
+    "slice": slice_rule, "narrow": slice_rule, "select": seq_dim_arg("dim"), "cat": cat_rule, "pad": pad_rule,
+    "sum": reduce_rule, "mean": reduce_rule, "amax": reduce_rule, "amin": reduce_rule, "max": reduce_rule,
+    "min": reduce_rule, "logsumexp": reduce_rule, "prod": reduce_rule, "any": reduce_rule, "all": reduce_rule,
+    "var": reduce_rule, "std": reduce_rule, "argmax": reduce_rule, "argmin": reduce_rule, "norm": reduce_rule,
+    "softmax": seq_dim_arg("dim"), "_softmax": seq_dim_arg("dim"), "log_softmax": seq_dim_arg("dim"),
+    "_log_softmax": seq_dim_arg("dim"), "cumsum": seq_dim_arg("dim"), "split": seq_dim_arg("dim", 0),
+    "split_with_sizes": seq_dim_arg("dim", 0), "chunk": seq_dim_arg("dim", 0), "unbind": seq_dim_arg("dim", 0),
+    "flip": seq_dim_arg("dims"), "roll": seq_dim_arg("dims"), "repeat_interleave": seq_dim_arg("dim"),
+    "tril": gather_fallback, "triu": gather_fallback, "index_select": gather_fallback, "gather": gather_fallback,
+    "index": gather_fallback, "layer_norm": layer_norm_rule, "native_layer_norm": layer_norm_rule,
+    "matmul": matmul_rule,
+})
+
+
+def rule_for(e: Eqn) -> Rule:
+    rule = RULES.get(e.op.name)
+    if rule is not None:
+        return rule
+    if e.op.has(Tag.ELEMENTWISE) and not e.op.has(Tag.INPLACE):
+        return positionwise
+    return no_rule
