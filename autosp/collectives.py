@@ -182,7 +182,10 @@ def a2a_unpack(recv: Tensor, shapes: list[list[int]], scatter_dim: int, gather_d
         v = piece.reshape([p] + chunk).movedim(0, gather_dim)
         out = list(chunk)
         out[gather_dim] *= p
-        outs.append(v.reshape(out))
+        t = v.reshape(out)
+        if t.untyped_storage().data_ptr() == recv.untyped_storage().data_ptr():
+            t = t.clone()     # a custom op's outputs may not alias each other or its buffers
+        outs.append(t)
     return outs
 
 

@@ -52,7 +52,8 @@ def trace(fn, *args) -> Graph:
         out = fn(*pytree.tree_unflatten(full, in_spec))
         flat_out, spec = pytree.tree_flatten(out)
         out_spec_box.append(spec)
-        return flat_out
+        # objects that are neither tensors nor scalars (an HF KV cache) are not results: None
+        return [x if isinstance(x, (torch.Tensor,) + _STATIC_TYPES) else None for x in flat_out]
 
     real = [leaves[i] for i in tensor_pos]
     gm = _make_fx(fn, flat_fn, real, pre_dispatch=True)
