@@ -70,7 +70,16 @@ def trace(fn, *args) -> Graph:
     return lift(gm, inputs, in_spec, out_spec_box[-1], tuple(static))
 
 
+def _anchor_user_frames(fn) -> None:
+    """fx keeps only `forward` frames in stack traces; the user's loss function counts too."""
+    register = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)
+    while register is not None and fn is not None:
+        register(fn)
+        fn = getattr(fn, "__wrapped__", None)
+
+
 def _make_fx(fn, flat_fn, real, *, pre_dispatch: bool) -> torch.fx.GraphModule:
+    _anchor_user_frames(fn)
     try:
         return make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True,
                        pre_dispatch=pre_dispatch, record_stack_traces=True)(*real)
@@ -166,7 +175,8 @@ def _trace_failure(fn, exc: Exception) -> TraceError:
                "`bool(t)`, nonzero/masked_select). Fix: compute with torch.where / masks instead of "
                "branching, or pass the value as a Python int argument")
     else:
-        fix = "Fix: make this line traceable by make_fx (no data-dependent Python, no unsupported types)"
+        fix = ("Fix: the function raised this on arguments of these shapes and dtypes; check them against "
+               "what it expects (it must run on one device as written)")
     return TraceError(f"autosp.trace: could not trace {_fn_name(fn)} at {where}\n  {text}\n  {fix}.")
 
 

@@ -1,0 +1,213 @@
+"""autosp vs a hand-written DeepSpeed-Ulysses on CPU (gloo), one training step at a time.
+
+Same HF Llama (sdpa), same global batch, SP = 2 processes (1 thread each), steps alternating A/B:
+  A = autosp.value_and_grad(loss_fn, mesh)(params, ids, labels)      -- single-device loss code
+  B = hand-written Ulysses: deepspeed.sequence.layer.DistributedAttention around SDPA (is_causal),
+      registered as a transformers attention function; ids sharded by hand, position ids offset,
+      labels shifted globally then sharded, local summed loss / global token count, param grads
+      all-reduced over sp.
+First step: both losses (and grads) compared. Then median step time (fwd+bwd) per side and per-rank
+peak memory of one step (torch.distributed._tools.mem_tracker.MemTracker).
+
+    .venv/bin/python bench/sp_vs_ulysses.py [--seq 4096 --steps 5 --layers 4 --hidden 256]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+ATTN_NAME = "ds_ulysses_sdpa"
+IGNORE = -100
+
+
+def build_model(args, attn_implementation):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.kv_heads, max_position_embeddings=max(4096, args.seq),
+                      attn_implementation=attn_implementation, use_cache=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+def register_ulysses_attention(group):
+    """A transformers attention function: DistributedAttention (all-to-all seq<->heads) around SDPA."""
+    from deepspeed.sequence.layer import DistributedAttention
+    from transformers import AttentionInterface
+
+    def local_attn(q, k, v, scale=None, enable_gqa=False):
+        # [b, s_global, h/p, d] -> SDPA layout [b, h/p, s, d]; causal over the full sequence
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            is_causal=True, scale=scale, enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
+
+    dist_attn = DistributedAttention(local_attn, group, scatter_idx=2, gather_idx=1)
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        # HF hands [b, h, s/p, d]; DistributedAttention with batch_dim_idx=0 wants [b, s/p, h, d]
+        # and returns [b, s/p, h, d], which is what HF expects back from an attention function.
+        assert attention_mask is None, "the Ulysses attention assumes plain causal attention (no padding mask)"
+        gqa = getattr(module, "num_key_value_groups", 1) > 1
+        out = dist_attn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), 0,
+                        None, scale=scaling, enable_gqa=gqa)
+        return out.contiguous(), None
+
+    AttentionInterface.register(ATTN_NAME, attention)
+
+
+def _job(rank, world, args):
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autosp
+    import deepspeed
+    from tests.models import batch, llama_loss
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
+    sp = mesh.get_group("sp")
+    sp_rank, sp_size = dist.get_rank(sp), dist.get_world_size(sp)
+
+    ids, labels = batch(args.batch, args.seq, args.vocab, seed=0)           # global, identical on all ranks
+
+    # ---- A: autosp on the plain single-device loss
+    model_a = build_model(args, "sdpa")
+    params = {k: v.detach().clone() for k, v in model_a.named_parameters()}
+    step_a_fn = autosp.value_and_grad(llama_loss(model_a), mesh)
+
+    def step_a():
+        loss, grads = step_a_fn(params, ids, labels)
+        return loss, grads
+
+    # ---- B: hand-written Ulysses on DeepSpeed's DistributedAttention
+    register_ulysses_attention(sp)
+    model_b = build_model(args, ATTN_NAME)
+    model_b.load_state_dict(model_a.state_dict())
+    s = args.seq
+    assert s % sp_size == 0, "the hand-written side needs seq divisible by sp"
+    s_loc = s // sp_size
+    lo, hi = sp_rank * s_loc, (sp_rank + 1) * s_loc
+    ids_loc = ids[:, lo:hi].contiguous()                                    # shard the ids
+    pos_loc = torch.arange(lo, hi).unsqueeze(0).expand(ids.size(0), -1)     # offset positions
+    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)  # shift globally
+    lab_loc = shifted[:, lo:hi].contiguous()                                # ... then shard
+    n_tok = (lab_loc != IGNORE).sum().to(torch.float32)
+    dist.all_reduce(n_tok, group=sp)                                        # global token count
+
+    def step_b():
+        model_b.zero_grad(set_to_none=True)
+        logits = model_b(input_ids=ids_loc, position_ids=pos_loc).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), lab_loc.flatten(),
+                               ignore_index=IGNORE, reduction="sum") / n_tok
+        loss.backward()
+        for p in model_b.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=sp)
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=sp)
+        return total, {k: p.grad for k, p in model_b.named_parameters()}
+
+    # ---- first step: agreement (also warms up / compiles autosp)
+    t0 = time.perf_counter()
+    loss_a, grads_a = step_a()
+    first_a = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    loss_b, grads_b = step_b()
+    first_b = time.perf_counter() - t0
+    grad_rel = max(((grads_a[k] - grads_b[k]).abs().max() / grads_b[k].abs().max().clamp_min(1e-12)).item()
+                   for k in grads_b)
+    del grads_a, grads_b
+
+    # ---- timing: alternate A, B, A, B ...
+    times = {"A": [], "B": []}
+    fns = {"A": step_a, "B": step_b}
+    for _ in range(args.steps):
+        for side in ("A", "B"):
+            dist.barrier(sp)
+            t0 = time.perf_counter()
+            out = fns[side]()
+            dist.barrier(sp)
+            times[side].append(time.perf_counter() - t0)
+            del out
+
+    # ---- peak memory of one step per side (params, grads, activations, temporaries)
+    def peak(side):
+        model_b.zero_grad(set_to_none=True)
+        mt = MemTracker()
+        if side == "A":
+            mt.track_external(*params.values(), ids, labels)
+        else:
+            mt.track_external(model_b, ids_loc, pos_loc, lab_loc)
+        with mt:
+            out = fns[side]()
+            del out
+        snap = mt.get_tracker_snapshot("peak")
+        return max(d.get("Total", 0) for d in snap.values())
+
+    mem = {"A": peak("A"), "B": peak("B")}
+    model_b.zero_grad(set_to_none=True)
+
+    return {"rank": rank, "loss_a": loss_a.item(), "loss_b": loss_b.item(), "grad_rel": grad_rel,
+            "first_a": first_a, "first_b": first_b, "times": times, "mem": mem}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per side (after 1 warm-up each)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--intermediate", type=int, default=None, help="default 2 * hidden")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--sp", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=1800)
+    args = ap.parse_args(argv)
+    if args.intermediate is None:
+        args.intermediate = 2 * args.hidden
+
+    from tests.dist import run_ranks
+    cmd = " ".join([".venv/bin/python", "bench/sp_vs_ulysses.py"] + [shlex.quote(a) for a in (argv or sys.argv[1:])])
+    print(f"# {cmd}")
+    print(f"# HF Llama: layers={args.layers} hidden={args.hidden} inter={args.intermediate} heads={args.heads} "
+          f"kv_heads={args.kv_heads} vocab={args.vocab}; batch={args.batch} seq={args.seq}; SP={args.sp} "
+          f"gloo procs x 1 thread; torch {torch.__version__}", flush=True)
+    t0 = time.perf_counter()
+    res = run_ranks(_job, args.sp, args, timeout=args.timeout)
+    wall = time.perf_counter() - t0
+
+    r0 = res[0]
+    print(f"\nfirst step (incl. autosp trace+compile): A {r0['first_a']:.2f}s, B {r0['first_b']:.2f}s")
+    print(f"loss  A (autosp) = {r0['loss_a']:.8f}   B (Ulysses) = {r0['loss_b']:.8f}   "
+          f"|diff| = {abs(r0['loss_a'] - r0['loss_b']):.3e}   "
+          f"(rel {abs(r0['loss_a'] - r0['loss_b']) / abs(r0['loss_b']):.2e})")
+    print(f"grads max rel diff A vs B (max over params, ranks): {max(r['grad_rel'] for r in res):.3e}")
+
+    med = {s: statistics.median(r0["times"][s]) for s in ("A", "B")}
+    print(f"\n| metric | autosp (A) | DS-Ulysses (B) | A/B |")
+    print(f"|---|---|---|---|")
+    print(f"| median step time, fwd+bwd ({args.steps} steps, s) | {med['A']:.3f} | {med['B']:.3f} | "
+          f"{med['A'] / med['B']:.3f} |")
+    for r in res:
+        ma, mb = r["mem"]["A"] / 2**20, r["mem"]["B"] / 2**20
+        print(f"| peak memory rank {r['rank']} (MiB, MemTracker) | {ma:.1f} | {mb:.1f} | {ma / mb:.3f} |")
+    print(f"\nstep times A: {', '.join(f'{t:.3f}' for t in r0['times']['A'])}")
+    print(f"step times B: {', '.join(f'{t:.3f}' for t in r0['times']['B'])}")
+    print(f"total wall {wall:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

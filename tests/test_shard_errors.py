@@ -1,0 +1,67 @@
+"""Bad input gets an AutospError naming the op, the source line, the layouts, the mesh and the fix."""
+import torch
+import torch.nn.functional as F
+
+from tests.dist import run_ranks
+
+
+def _attn_then(op):
+    def fn(w, x):
+        h = x @ w                                               # [b, s, 8]
+        q = h.view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return op(a.transpose(1, 2).reshape(h.shape))
+    return fn
+
+
+def _messages(rank, world):
+    import autosp
+    from torch.distributed.device_mesh import init_device_mesh
+    from tests.models import batch, llama_loss, params_of, tiny_llama
+    out = {}
+
+    def capture(key, thunk):
+        try:
+            thunk()
+            out[key] = None
+        except autosp.AutospError as exc:
+            out[key] = str(exc)
+
+    sp = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
+    tp = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = tiny_llama()
+    fn, params = llama_loss(model), params_of(model)
+    ids, labels = batch(2, 32, 64)
+    capture("no_sp", lambda: autosp.shard(fn, tp))
+    capture("arity", lambda: autosp.shard(fn, sp)(params, ids))
+    mine = batch(2, 32 if rank == 0 else 16, 64)
+    capture("ranks_differ", lambda: autosp.shard(fn, sp)(params, *mine))
+    capture("label_shape", lambda: autosp.shard(fn, sp)(params, ids, labels[:, :-2]))
+    g = torch.Generator().manual_seed(0)             # the same global values on every rank
+    w, x = torch.randn(8, 8, generator=g), torch.randn(2, 16, 8, generator=g)
+    capture("no_rule", lambda: autosp.shard(_attn_then(lambda a: a.sort(dim=1).values.sum()), sp)(w, x))
+    odd = tiny_llama(heads=3, kv_heads=3, hidden=24)
+    capture("heads", lambda: autosp.shard(llama_loss(odd), sp)(params_of(odd), ids, labels))
+    capture("no_attention", lambda: autosp.shard(lambda w, x: (x @ w).sum(), sp)(w, x))
+    capture("bad_spec", lambda: autosp.shard(lambda w, x: (x @ w).sum(), sp, in_specs=(None, "b (s d"))(w, x))
+    capture("spec_rank", lambda: autosp.shard(lambda w, x: (x @ w).sum(), sp, in_specs=(None, "b s"))(w, x))
+    # in_specs make a function without attention shardable, and exact
+    got = autosp.shard(lambda w, x: (x @ w).sum(), sp, in_specs=(None, "b s d"))(w, x)
+    out["spec_value"] = (got.item(), (x @ w).sum().item())
+    return out
+
+
+def test_error_messages():
+    m = run_ranks(_messages, 2)[0]
+    assert "no 'sp' axis" in m["no_sp"] and "Fix" in m["no_sp"]
+    assert "missing" in m["arity"] and "Fix" in m["arity"]
+    assert "sp rank 0 and sp rank 1 passed arguments of different shapes" in m["ranks_differ"]
+    assert "could not trace" in m["label_shape"] and "loss_utils.py" in m["label_shape"] and "Fix" in m["label_shape"]
+    nr = m["no_rule"]
+    assert "sort" in nr and "test_shard_errors.py" in nr and "(sp s)" in nr and "sp=2" in nr and "Fix" in nr
+    assert "3 query heads cannot be split over sp=2" in m["heads"] and "Fix" in m["heads"]
+    assert "no attention" in m["no_attention"] and "in_specs" in m["no_attention"]
+    assert "layout spec 'b (s d'" in m["bad_spec"]
+    assert "names 2 dims but the value has shape [2, 16, 8]" in m["spec_rank"]
+    got, want = m["spec_value"]
+    assert abs(got - want) <= 1e-5 * abs(want)
