@@ -1,7 +1,7 @@
 """autosp vs a hand-written DeepSpeed-Ulysses on CPU (gloo), one training step at a time.
 
 Same HF Llama (sdpa), same global batch, SP = 2 processes (1 thread each), steps alternating A/B:
-  A = autosp.value_and_grad(loss_fn, mesh)(params, ids, labels)      -- single-device loss code
+  A = autosp.shard(loss_fn, mesh)(params, ids, labels).backward()    -- single-device loss code
   B = hand-written Ulysses: deepspeed.sequence.layer.DistributedAttention around SDPA (is_causal),
       registered as a transformers attention function; ids sharded by hand, position ids offset,
       labels shifted globally then sharded, local summed loss / global token count, param grads
@@ -83,12 +83,16 @@ def _job(rank, world, args):
 
     # ---- A: autosp on the plain single-device loss
     model_a = build_model(args, "sdpa")
-    params = {k: v.detach().clone() for k, v in model_a.named_parameters()}
-    step_a_fn = autosp.value_and_grad(llama_loss(model_a), mesh)
+    params = {k: v.detach().clone().requires_grad_(True) for k, v in model_a.named_parameters()}
+    # shard + backward (not value_and_grad): MemTracker's module hooks break torch.autograd.grad on leaves
+    step_a_fn = autosp.shard(llama_loss(model_a), mesh)
 
     def step_a():
-        loss, grads = step_a_fn(params, ids, labels)
-        return loss, grads
+        for p in params.values():
+            p.grad = None
+        loss = step_a_fn(params, ids, labels)
+        loss.backward()
+        return loss.detach(), {k: p.grad for k, p in params.items()}
 
     # ---- B: hand-written Ulysses on DeepSpeed's DistributedAttention
     register_ulysses_attention(sp)
@@ -144,6 +148,8 @@ def _job(rank, world, args):
     # ---- peak memory of one step per side (params, grads, activations, temporaries)
     def peak(side):
         model_b.zero_grad(set_to_none=True)
+        for p in params.values():
+            p.grad = None
         mt = MemTracker()
         if side == "A":
             mt.track_external(*params.values(), ids, labels)
@@ -156,7 +162,6 @@ def _job(rank, world, args):
         return max(d.get("Total", 0) for d in snap.values())
 
     mem = {"A": peak("A"), "B": peak("B")}
-    model_b.zero_grad(set_to_none=True)
 
     return {"rank": rank, "loss_a": loss_a.item(), "loss_b": loss_b.item(), "grad_rel": grad_rel,
             "first_a": first_a, "first_b": first_b, "times": times, "mem": mem}
@@ -204,8 +209,8 @@ def main(argv=None):
     for r in res:
         ma, mb = r["mem"]["A"] / 2**20, r["mem"]["B"] / 2**20
         print(f"| peak memory rank {r['rank']} (MiB, MemTracker) | {ma:.1f} | {mb:.1f} | {ma / mb:.3f} |")
-    print(f"\nstep times A: {', '.join(f'{t:.3f}' for t in r0['times']['A'])}")
-    print(f"step times B: {', '.join(f'{t:.3f}' for t in r0['times']['B'])}")
+    print(f"\nstep times A: {', '.join(f'{t:.5f}' for t in r0['times']['A'])}")
+    print(f"step times B: {', '.join(f'{t:.5f}' for t in r0['times']['B'])}")
     print(f"total wall {wall:.0f}s")
 
 
