@@ -1,7 +1,7 @@
 """Trace an 8B-shaped Llama (32 layers, hidden 4096, 32/8 heads, seq 32768) on the meta device.
 
 Reports the trace time and the resident-memory growth. Usage:
-    .venv/bin/python bench/trace_8b.py [--layers 32] [--seq 32768] [--grad]
+    .venv/bin/python bench/trace_8b.py [--layers 32] [--seq 32768]
 """
 import argparse
 import resource
@@ -25,11 +25,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--seq", type=int, default=32768)
-    ap.add_argument("--grad", action="store_true", help="trace torch.func.grad_and_value too")
     a = ap.parse_args()
     cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=a.layers,
                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-                      attn_implementation="sdpa", use_cache=False)
+                      attn_implementation="sdpa")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     params = dict(model.named_parameters())
@@ -38,8 +37,7 @@ def main():
     def loss_fn(params, input_ids, labels):
         return torch.func.functional_call(model, params, (input_ids,), {"labels": labels}).loss
 
-    fns = [("forward", loss_fn)] + ([("grad_and_value", torch.func.grad_and_value(loss_fn))] if a.grad else [])
-    for name, fn in fns:
+    for name, fn in [("forward", loss_fn)]:
         base = rss_mb()
         t0 = time.perf_counter()
         graph = autosp.trace(fn, params, ids, ids)

@@ -73,7 +73,8 @@ def gpt_loss(model):
 def tiny_llama(layers=2, vocab=64, hidden=32, heads=4, kv_heads=2, device=None, **extra):
     """use_cache=False makes HF build an explicit [b, 1, s, s] mask and repeat K/V instead."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+    extra.setdefault("intermediate_size", 2 * hidden)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                       max_position_embeddings=4096, attn_implementation="sdpa", **extra)
     if device is None:

@@ -84,9 +84,11 @@ def test_inputs_roles_and_static_args():
 
 
 def test_meta_llama_traces_without_memory():
-    model = tiny_llama(layers=2, hidden=64, heads=4, kv_heads=2, device="meta")
+    """Two layers of the 8B shape at s=32768 on the meta device: nothing is allocated."""
+    model = tiny_llama(layers=2, vocab=128256, hidden=4096, heads=32, kv_heads=8, device="meta",
+                       intermediate_size=14336)
     params = dict(model.named_parameters())
-    ids = torch.zeros(1, 256, dtype=torch.long, device="meta")
+    ids = torch.zeros(1, 32768, dtype=torch.long, device="meta")
     g = verify(autosp.trace(llama_loss(model), params, ids, ids))
     assert g.eqns[-1].outputs[0].shape == ()
     assert sum(e.op.name == "attention" for e in g.eqns) == 2
