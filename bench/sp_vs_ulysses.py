@@ -33,7 +33,9 @@ def build_model(args, attn_implementation):
     cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
                       num_key_value_heads=args.kv_heads, max_position_embeddings=max(4096, args.seq),
-                      attn_implementation=attn_implementation, use_cache=False)
+                      attn_implementation=attn_implementation)
+    # NB: keep HF's default use_cache=True. With use_cache=False HF's sdpa path builds an explicit
+    # [b, 1, s, s] bool mask and repeats K/V, which sends SDPA to its O(s^2)-memory math kernel.
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg)
 
