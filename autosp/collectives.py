@@ -3,12 +3,16 @@
 Each is one IR op with a shape function (its fake), so the verifier, lowering and
 autograd treat them like any aten op. On CPU they run on gloo; on GPU on NCCL/RCCL.
 
-Gradient conventions (per rank r, with local objective L_r and sum_r L_r = L):
-  shard_slice     R -> S   backward: the local grad scattered into zeros (a partial grad)
-  all_reduce_sum  P -> R   backward: identity
-  all_gather_seq  S -> R   backward: all-reduce, then this rank's chunk
+Gradient convention. A sharded value's grad on rank r is the true grad of its chunk. A replicated
+value's grad on rank r is a *share*: the shares of all ranks sum to its true grad. So:
+  shard_slice     R -> S   backward: the chunk's grad in place, zeros elsewhere (a share)
+  all_gather_seq  S -> R   backward: sum the shares (all-reduce), then this rank's chunk
+  all_reduce_sum  P -> R   backward: sum the shares (all-reduce): the true grad of each partial
   all_to_all      S <-> H  backward: the inverse all-to-all
-  grad_sync       R -> R   identity forward; backward sums the partial grads (params)
+  grad_sync       R -> R   identity forward; backward sums the shares (parameters)
+  grad_scale      R -> R   identity forward; backward scales: the outputs' seed becomes a share
+A replicated term that reaches the loss without a collective (a weight penalty, a pooled
+head on a gathered value) is then counted once, not once per rank.
 """
 from __future__ import annotations
 
@@ -109,7 +113,12 @@ def _(x, group_name):
     return torch.empty_like(x)
 
 
-all_reduce_sum.register_autograd(lambda ctx, g: (g, None))
+def _all_reduce_setup(ctx, inputs, output):
+    ctx.group_name = inputs[1]
+
+
+all_reduce_sum.register_autograd(lambda ctx, g: (all_reduce_sum(g, ctx.group_name), None),
+                                 setup_context=_all_reduce_setup)
 
 
 # ---------------------------------------------------------------- all_gather_seq
@@ -258,3 +267,19 @@ def grad_sync(x: Tensor, group_names: tuple[str, ...]) -> Tensor:
     and a copy of every parameter per step would cost what the parameters weigh.
     """
     return _GradSync.apply(x, group_names)
+
+
+class _GradScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+def grad_scale(x: Tensor, factor: float) -> Tensor:
+    """Identity whose backward multiplies by `factor`: turns the caller's seed into this rank's share."""
+    return _GradScale.apply(x, factor)

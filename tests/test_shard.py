@@ -127,3 +127,51 @@ def test_explain_shows_layouts_and_collectives():
     local = text.split("# shard")[1]
     # Q, K and V go out in one collective per attention: 2 layers -> 2 forward + 2 inverse
     assert local.count("= all_to_all(") == 4
+
+
+def _variant_fns(model):
+    """Other ways of writing a loss: a weight penalty, last-token pooling, logits as the output."""
+    import torch.nn.functional as F
+    from tests.models import gpt_loss
+    base = gpt_loss(model)
+
+    def penalised(params, ids):
+        return base(params, ids) + 1e-2 * params["head.weight"].pow(2).sum()
+
+    def pooled(params, ids):
+        logits = torch.func.functional_call(model, params, (ids,))
+        return F.cross_entropy(logits[:, -1], ids[:, 0])        # classify from the last position
+
+    def summed(params, ids):
+        logits = torch.func.functional_call(model, params, (ids,))
+        return F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten(), reduction="sum")
+
+    def logits_out(params, ids):
+        return torch.func.functional_call(model, params, (ids,))
+
+    return {"penalised": penalised, "pooled": pooled, "summed": summed, "logits": logits_out}
+
+
+def _variants_job(rank, world, s):
+    import autosp
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
+    model, _, params, (ids,) = _case("gpt", s, 0)
+    probe = torch.randn(2, s, 64, generator=torch.Generator().manual_seed(3))
+    for name, fn in _variant_fns(model).items():
+        f = (lambda p, i, fn=fn: (fn(p, i) * probe).sum()) if name == "logits" else fn
+        ref_loss, ref_grads = _reference(f, params, ids)
+        step = autosp.shard(fn, mesh)
+        p = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+        out = step(p, ids)
+        loss = (out * probe).sum() if name == "logits" else out
+        got = torch.autograd.grad(loss, list(p.values()))
+        _close(loss.detach(), ref_loss, f"{name} loss")
+        for k, g in zip(p, got):
+            _close(g, ref_grads[k], f"{name} grad {k}")
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_replicated_terms_and_gathered_outputs(world):
+    run_ranks(_variants_job, world, 37)

@@ -104,6 +104,9 @@ def shard_graph(graph: Graph, mesh: MeshInfo, *, in_specs=None, keep_sharded=())
         if mesh.dp_group and new.ndim == 0 and new.dtype.is_floating_point:
             new = ctx.emit(C.all_reduce_sum, (new, mesh.dp_group))
             new = ctx.emit(aten.div.Scalar, (new, mesh.dp_size))
+        if new.layout is None and new.dtype is not None and new.dtype.is_floating_point:
+            # every rank returns the whole value: its grad seed is this rank's share (collectives.py)
+            new = ctx.emit(C.grad_scale, (new, 1.0 / (mesh.sp_size * mesh.dp_size)))
         outputs.append(new)
     return graph.replace(inputs=tuple(new_inputs), eqns=tuple(ctx.eqns), outputs=tuple(outputs),
                          consts=tuple(new_consts), name="shard")
