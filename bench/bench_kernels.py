@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from autosp.kernels import (flash_attention, ulysses_pack, ulysses_pack_out, ulysses_unpack, ulysses_unpack_out)
+from autosp.kernels import ulysses_pack, ulysses_pack_out, ulysses_unpack, ulysses_unpack_out
 from autosp.kernels.flash_torch import math_backward, math_forward
 from autosp.kernels.tuning import attention_inputs, bench_graph_ms, bench_ms
 
@@ -82,7 +82,8 @@ def check_attention() -> bool:
             sdpa_err = f"{'n/a':>9s}"
         good = all(e <= TOL[dt] for e in errs)
         ok &= good
-        name = f"b{b} h{hq}/{hkv} s{s} d{d} {'causal' if causal else 'full'} {str(dt)[6:]}{' T' if model_layout else ''}"
+        name = (f"b{b} h{hq}/{hkv} s{s} d{d} {'causal' if causal else 'full'} {str(dt)[6:]}"
+                f"{' [b,s,h,d]' if model_layout else ''}")
         print(f"{name:44s} " + " ".join(f"{e:8.1e}" for e in errs) + f" {sdpa_err}  {TOL[dt]:.0e} "
               f"{'ok' if good else 'FAIL'} ({time.time() - t0:.1f}s)", flush=True)
         del leaves, out, lse, ref, grads

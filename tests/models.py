@@ -83,6 +83,18 @@ def tiny_llama(layers=2, vocab=64, hidden=32, heads=4, kv_heads=2, device=None, 
         return LlamaForCausalLM(cfg)
 
 
+def tiny_hf(arch: str, layers=2, vocab=64, hidden=32, heads=4, kv_heads=2, **extra):
+    """Another HF causal LM with a tiny config: 'qwen2' (biased QKV), 'mistral' (sliding window)."""
+    import transformers
+    cfg_cls, model_cls = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                          "mistral": ("MistralConfig", "MistralForCausalLM")}[arch]
+    cfg = getattr(transformers, cfg_cls)(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+        attn_implementation="sdpa", **extra)
+    return getattr(transformers, model_cls)(cfg)
+
+
 def llama_loss(model):
     """HF's own loss: labels shifted inside the model (pad + slice), ignore_index -100."""
     def loss_fn(params, input_ids, labels):

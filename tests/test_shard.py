@@ -19,13 +19,15 @@ def _reference(fn, params, *args):
 
 
 def _case(which, s, seed, **extra):
-    from tests.models import GPT, batch, gpt_loss, llama_loss, params_of, tiny_llama
+    extra = dict(extra)
+    from tests.models import GPT, batch, gpt_loss, llama_loss, params_of, tiny_hf, tiny_llama
     torch.manual_seed(0)
     if which == "gpt":
         model = GPT()
         ids, labels = batch(2, s, 64, seed=seed, pad=3)
         return model, gpt_loss(model), params_of(model), (ids,)
-    model = tiny_llama(**extra)
+    arch = extra.pop("arch", None)
+    model = tiny_hf(arch, **extra) if arch else tiny_llama(**extra)
     ids, labels = batch(2, s, 64, seed=seed, pad=3)
     return model, llama_loss(model), params_of(model), (ids, labels)
 
@@ -60,6 +62,11 @@ CASES = [("gpt", 32, {}), ("gpt", 67, {}), ("llama", 32, {}), ("llama", 67, {}),
 @pytest.mark.parametrize("world", [2, 4])
 def test_sp_matches_single_device(world):
     run_ranks(_sp_job, world, CASES)
+
+
+def test_other_hf_models():
+    """Qwen2 (biased Q/K/V projections) and Mistral with a sliding window (an explicit mask)."""
+    run_ranks(_sp_job, 2, [("hf", 45, {"arch": "qwen2"}), ("hf", 45, {"arch": "mistral", "sliding_window": 8})])
 
 
 def _dp_sp_job(rank, world, cases):

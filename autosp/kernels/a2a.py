@@ -27,19 +27,20 @@ from __future__ import annotations
 
 import torch
 
-from autosp.errors import AutospError
+from autosp.kernels.a2a_ops import fail as _fail
 from autosp.kernels.a2a_ops import pack_heads, pack_seq, resolve_backend, unpack_heads, unpack_seq
 
 
 # ---------------------------------------------------------------- checks
 
 
-def _fail(op: str, what: str, fix: str):
-    raise AutospError(f"autosp.{op}: {what}; {fix}")
+def _is_int(v) -> bool:
+    # SymInt too: the shapes may be symbolic while the sharding pass traces.
+    return isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool)
 
 
 def _check_world(op: str, world) -> None:
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+    if not _is_int(world) or world < 1:
         _fail(op, f"world must be a positive int, got {world!r}", "pass the sp group size")
 
 
@@ -60,12 +61,18 @@ def _check_list(op: str, xs, seq_dim_name: str) -> None:
 
 def _check_counts(op: str, head_counts, world: int) -> list[int]:
     counts = list(head_counts)
-    if not counts or any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in counts):
+    if not counts or any(not _is_int(h) or h < 0 for h in counts):
         _fail(op, f"head_counts {counts!r} must be a non-empty list of non-negative ints", "pass [hq, hkv, hkv]")
     if any(h % world for h in counts):
         _fail(op, f"head counts {counts} are not all divisible by world={world}",
               f"replicate K/V heads to a multiple of {world} (repeat_interleave on the head dim) before packing")
     return counts
+
+
+def _check_dims(op: str, **dims) -> None:
+    bad = {k: v for k, v in dims.items() if not _is_int(v) or v < 0}
+    if bad:
+        _fail(op, f"sizes {bad} must be non-negative ints", "pass the local shape as Python ints")
 
 
 def _check_buf(op: str, buf, expected: int, what: str) -> None:
@@ -132,12 +139,6 @@ def ulysses_unpack_out(buf: torch.Tensor, b: int, h_loc: int, s_loc: int, d: int
     _check_buf(op, buf, world * b * h_loc * s_loc * d, f"b={b}, h_loc={h_loc}, s_loc={s_loc}, d={d}, world={world}")
     resolve_backend(op, backend, buf)
     return unpack_heads(buf, [world * h_loc], b, s_loc, d, world, backend)[0]
-
-
-def _check_dims(op: str, **dims) -> None:
-    bad = {k: v for k, v in dims.items() if isinstance(v, bool) or not isinstance(v, int) or v < 0}
-    if bad:
-        _fail(op, f"sizes {bad} must be non-negative ints", "pass the local shape as Python ints")
 
 
 def ulysses_unpack_heads(buf: torch.Tensor, head_counts: list[int], b: int, s_loc: int, d: int, world: int,

@@ -21,25 +21,25 @@ from autosp.kernels._triton import interpreter_problem, triton_available
 BACKENDS = ("auto", "triton", "torch")
 
 
-def _fail(op: str, what: str, fix: str):
+def fail(op: str, what: str, fix: str):
     raise AutospError(f"autosp.{op}: {what}; {fix}")
 
 
 def resolve_backend(op: str, backend: str, t: torch.Tensor) -> str:
     """"torch" or "triton" for `t`; raises AutospError when "triton" cannot run here."""
     if backend not in BACKENDS:
-        _fail(op, f"backend {backend!r} unknown", f"use one of {BACKENDS}")
+        fail(op, f"backend {backend!r} unknown", f"use one of {BACKENDS}")
     if backend == "torch":
         return "torch"
     ok = triton_available() and t.device.type in ("cuda", "cpu")
     if backend == "triton":
         if not ok:
-            _fail(op, f"backend='triton' on {t.device} without a usable triton", "install triton or use backend='torch'")
+            fail(op, f"backend='triton' on {t.device} without a usable triton", "install triton or use backend='torch'")
         if t.device.type == "cpu" and t.dtype == torch.bfloat16:
-            _fail(op, "bfloat16 is broken in the Triton interpreter that runs CPU tensors",
+            fail(op, "bfloat16 is broken in the Triton interpreter that runs CPU tensors",
                   "use backend='torch' on CPU")
         if t.device.type == "cpu" and interpreter_problem() is not None:
-            _fail(op, interpreter_problem(), "use backend='torch' on CPU")
+            fail(op, interpreter_problem(), "use backend='torch' on CPU")
         return "triton"
     return "triton" if ok and t.device.type == "cuda" else "torch"
 

@@ -6,7 +6,9 @@ The cache is a JSON file written by `bench/autotune_attention.py` and
     {"version": 1, "entries": {"flash_fwd|NVIDIA H200|bfloat16|d128|causal|s8192":
                                 {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}}}
 
-Its path is `$AUTOSP_KERNEL_CONFIGS`, else `~/.cache/autosp/kernel_configs.json`.
+Keys: kernel | device name | dtype | head dim | causal or full | sequence bucket (the
+layout copy uses "full" and buckets s/P). Its path is `$AUTOSP_KERNEL_CONFIGS`, else
+`~/.cache/autosp/kernel_configs.json`.
 Lookup order: an `override(...)` in effect, the exact key, the same key at the
 nearest tuned sequence bucket (a block size tuned at 8k is a better guess at
 16k than the default), the defaults below. An entry that breaks a kernel's

@@ -163,9 +163,10 @@ def _flash_attention_fake(q, k, v, causal, scale, backend):
 
 
 @torch.library.custom_op("autosp::flash_attention_backward", mutates_args=())
-def flash_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor], causal: bool,
-                                scale: Optional[float], backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def flash_attention_backward_op(
+        dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+        dlse: Optional[torch.Tensor], causal: bool, scale: Optional[float],
+        backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_inputs(q, k, v, causal, scale, backend)
     if dout.shape != q.shape or lse.shape != q.shape[:3]:
         raise AutospError(f"autosp.flash_attention_backward: {_shapes(q, k, v)}, dout {tuple(dout.shape)}, "

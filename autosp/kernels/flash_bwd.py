@@ -187,8 +187,8 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, Delta,
             n_heads_q, group, seq_len, qk_scale, sm_scale,
             HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
-    # grid: (cdiv(seq_len, BLOCK_M), b * hq)
-    start_m = tl.program_id(0) * BLOCK_M
+    # grid: (cdiv(seq_len, BLOCK_M), b * hq); last (heaviest, if causal) tiles first, as in the forward
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = (off_bh // n_heads_q).to(tl.int64)
     off_h = off_bh % n_heads_q

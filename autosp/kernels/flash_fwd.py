@@ -73,7 +73,9 @@ def _attn_fwd(Q, K, V, O, LSE,
               HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
     # grid: (cdiv(seq_len, BLOCK_M), b * hq). Offsets in int64: b*h*s*d passes 2**31.
-    start_m = tl.program_id(0)
+    # Tiles run last-first: under a causal mask the last query tiles have the most work,
+    # and starting them first leaves the short ones to fill the tail of the wave.
+    start_m = tl.num_programs(0) - 1 - tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = (off_bh // n_heads_q).to(tl.int64)
     off_h = off_bh % n_heads_q
