@@ -124,16 +124,22 @@ def _explain_job(rank, world):
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
     model, fn, params, args = _case("llama", 32, 0)
     text = autosp.explain(fn, mesh, params, *args)
-    return text
+    _, fn, params, args = _case("llama", 32, 0, use_cache=False)
+    return text, autosp.explain(fn, mesh, params, *args)
 
 
 def test_explain_shows_layouts_and_collectives():
-    text = run_ranks(_explain_job, 2)[0]
+    text, masked = run_ranks(_explain_job, 2)[0]
     assert "all_to_all" in text and "all_reduce_sum" in text
     assert "(sp s)" in text                    # layouts are printed
     local = text.split("# shard")[1]
     # Q, K and V go out in one collective per attention: 2 layers -> 2 forward + 2 inverse
     assert local.count("= all_to_all(") == 4
+    # HF without a cache builds an explicit [b, 1, s, s] causal mask: the compiler evaluates it once,
+    # sees it is causal, and the per-rank graph runs is_causal attention without building it
+    assert "index(" in masked.split("# shard")[0]
+    local = masked.split("# shard")[1]
+    assert "is_causal=True" in local and "attn_mask=None" in local and "index(" not in local
 
 
 def _variant_fns(model):

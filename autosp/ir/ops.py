@@ -129,8 +129,7 @@ def op_for(target) -> Op:
         tags = set()
         if torch.Tag.pointwise in target.tags:
             tags.add(Tag.ELEMENTWISE)
-        if target._schema.name.endswith("_") or any(a.alias_info is not None and a.alias_info.is_write
-                                                    for a in target._schema.arguments):
+        if any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments):
             tags.add(Tag.INPLACE)
         short = str(target).removeprefix("aten.")
         if target.namespace == "autosp":

@@ -16,6 +16,8 @@ from autosp import collectives as C
 from autosp.errors import ShardError
 from autosp.ir.core import Graph, Role, Var
 from autosp.layout import seq_dim_of_spec
+from autosp.ir.ops import Tag
+from autosp.passes.dce import dce
 from autosp.passes.seqdims import SeqPos, attention_length, infer_seq_positions
 from autosp.passes.shard_ctx import MeshInfo, ShardCtx
 from autosp.passes.shard_rules import rule_for
@@ -30,6 +32,15 @@ def activations(graph: Graph) -> set[str]:
         if any(x.name in heavy for x in e.inputs):
             heavy.update(o.name for o in e.outputs)
     return heavy
+
+
+def input_free(graph: Graph) -> set[str]:
+    """Values that depend on no graph input and no randomness: constants the compiler may evaluate."""
+    free = {v.name for v, _ in graph.consts}
+    for e in graph.eqns:
+        if e.outputs and not e.op.has(Tag.RANDOM) and all(x.name in free for x in e.inputs):
+            free.update(o.name for o in e.outputs)
+    return free
 
 
 def spec_seeds(graph: Graph, in_specs) -> dict[str, SeqPos | None]:
@@ -61,7 +72,8 @@ def shard_graph(graph: Graph, mesh: MeshInfo, *, in_specs=None, keep_sharded=())
     for n in blocked:
         pos.pop(n, None)
     chunk = -(-length // mesh.sp_size)
-    ctx = ShardCtx(mesh=mesh, chunk=chunk, pos=pos, heavy=activations(graph))
+    ctx = ShardCtx(mesh=mesh, chunk=chunk, pos=pos, heavy=activations(graph), graph=graph,
+                   input_free=input_free(graph))
 
     new_inputs = []
     with ctx.fake_mode:
@@ -108,5 +120,5 @@ def shard_graph(graph: Graph, mesh: MeshInfo, *, in_specs=None, keep_sharded=())
             # every rank returns the whole value: its grad seed is this rank's share (collectives.py)
             new = ctx.emit(C.grad_scale, (new, 1.0 / (mesh.sp_size * mesh.dp_size)))
         outputs.append(new)
-    return graph.replace(inputs=tuple(new_inputs), eqns=tuple(ctx.eqns), outputs=tuple(outputs),
-                         consts=tuple(new_consts), name="shard")
+    return dce(graph.replace(inputs=tuple(new_inputs), eqns=tuple(ctx.eqns), outputs=tuple(outputs),
+                             consts=tuple(new_consts), name="shard"))

@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 
 from autosp import collectives as C
 from autosp.errors import ShardError
-from autosp.ir.core import Eqn, Var
+from autosp.ir.core import Eqn, Graph, Var
 from autosp.ir.ops import op_for
 from autosp.layout import Layout
 from autosp.passes.seqdims import SeqPos
@@ -43,6 +43,8 @@ class ShardCtx:
     fakes: dict[str, object] = field(default_factory=dict)
     fake_mode: FakeTensorMode = field(default_factory=lambda: FakeTensorMode(allow_non_fake_inputs=True))
     rep: dict[str, Var] = field(default_factory=dict)      # old name -> its replicated new var, when known
+    graph: Graph | None = None                   # the global graph being rewritten
+    input_free: set[str] = field(default_factory=set)     # old names computable without the inputs
     counter: int = 0
     _cache: dict = field(default_factory=dict)
 
@@ -97,6 +99,30 @@ class ShardCtx:
                 f"{where}: the sequence dim {p.dim} of {old} ({old.type_str()}) has {p.length(old)} positions, "
                 f"more than attention's {self.chunk * self.mesh.sp_size} (padded for sp={self.mesh.sp_size}). "
                 "Fix: pass in_specs naming the sequence dim of each input.")
+
+    def constant_value(self, old: Var):
+        """The real value of an input-free global var (evaluated once), or None if not computable."""
+        if old.name not in self.input_free or self.graph is None:
+            return None
+        key = ("const", old.name)
+        if key not in self._cache:
+            env = {v.name: t for v, t in self.graph.consts}
+            if any(t.device.type == "meta" for t in env.values()):
+                self._cache[key] = None
+                return None
+            needed = {old.name}
+            eqns = []
+            for e in reversed(self.graph.eqns):
+                if any(o.name in needed for o in e.outputs):
+                    eqns.append(e)
+                    needed.update(x.name for x in e.inputs)
+            for e in reversed(eqns):
+                args, kwargs = e.bind([env[x.name] for x in e.inputs])
+                out = e.op.target(*args, **kwargs)
+                for v, x in zip(e.outputs, out if e.multi else [out]):
+                    env[v.name] = x
+            self._cache[key] = env[old.name]
+        return self._cache[key]
 
     # ------------------------------------------------------------ collectives and helpers
     def shard(self, new: Var, old: Var, source=None) -> Var:

@@ -282,6 +282,11 @@ def attention_rule(ctx: ShardCtx, e: Eqn) -> None:
     q2, k2, v2 = ctx.emit(C.all_to_all, ([q, k, v], hdim, hdim + 1, ctx.mesh.sp_group), source=e.source)
     length, padded = q.layout.length, q.layout.chunk * p
     mask = b["attn_mask"]
+    is_causal = b["is_causal"]
+    if mask is not None and is_causal_mask(ctx.constant_value(mask)):
+        # the user's mask is the causal one (HF builds it when the cache is off): the flash path,
+        # and the s x s mask is never built (its equations are dead code)
+        mask, is_causal = None, True
     if mask is not None:
         if mask.ndim >= 3 and mask.shape[-3] != 1:
             raise ShardError(f"{describe(ctx, e)}: a per-head attention mask ({mask.type_str()}) is not sharded "
@@ -289,15 +294,34 @@ def attention_rule(ctx: ShardCtx, e: Eqn) -> None:
         mask = ctx.as_replicated(mask, e.source)
         if padded > q_old.shape[-2]:
             mask = ctx.emit(autosp_ops.pad_attn_mask, (mask, padded), source=e.source)
-    elif padded > length and not b["is_causal"]:
+    elif padded > length and not is_causal:
         mask = ctx.emit(autosp_ops.key_padding_mask, (length, padded, torch.device(q.device)), source=e.source)
-    kw = {"attn_mask": mask, "dropout_p": b["dropout_p"], "is_causal": b["is_causal"], "scale": b["scale"]}
+    kw = {"attn_mask": mask, "dropout_p": b["dropout_p"], "is_causal": is_causal, "scale": b["scale"]}
     if b.get("enable_gqa"):
         kw["enable_gqa"] = True
     o2 = ctx.emit(e.op.target, (q2, k2, v2), kw, source=e.source)
     (o,) = ctx.emit(C.all_to_all, ([o2], hdim + 1, hdim, ctx.mesh.sp_group), source=e.source,
                     layouts=[Layout(q.ndim - 2, length, q.layout.chunk)])
     ctx.env[e.outputs[0].name] = o
+
+
+def is_causal_mask(mask) -> bool:
+    """A bool mask that is tril(ones), or an additive one that is 0 there and hugely negative above,
+    broadcast over its leading dims."""
+    if mask is None or mask.ndim < 2 or mask.shape[-1] != mask.shape[-2]:
+        return False
+    n = mask.shape[-1]
+    tril = torch.ones(n, n, dtype=torch.bool, device=mask.device).tril()
+    if mask.dtype == torch.bool:
+        allowed = mask
+    elif mask.is_floating_point():
+        blocked = mask <= torch.finfo(mask.dtype).min / 2
+        if not bool(((mask == 0) | blocked).all()):
+            return False
+        allowed = ~blocked
+    else:
+        return False
+    return bool((allowed == tril).all())
 
 
 def no_rule(ctx: ShardCtx, e: Eqn) -> None:
