@@ -67,13 +67,24 @@ class Sharded:
         return tuple((tuple(x.shape), x.dtype, x.requires_grad, x.device.type) if isinstance(x, torch.Tensor)
                      else ("static", x) for x in leaves)
 
-    def _agree(self, sig):
-        """All sp ranks must pass the same global values: compare signatures once per compile."""
+    def _agree(self, sig, leaves, paths):
+        """All sp ranks must pass the same global values: compare shapes and checksums once per compile."""
         group = dist.distributed_c10d._resolve_process_group(self.info.sp_group)
+        sums = [round(float(x.detach().double().sum()), 6) if isinstance(x, torch.Tensor) and x.device.type != "meta"
+                else None for x in leaves]
         sigs = [None] * self.info.sp_size
-        dist.all_gather_object(sigs, repr(sig), group=group)
+        dist.all_gather_object(sigs, (repr(sig), sums), group=group)
+        mine = dist.get_rank(group)
+        for other, (_, their) in enumerate(sigs):
+            bad = [i for i, (a, b) in enumerate(zip(sums, their)) if a != b]
+            if sigs[other][0] == sigs[mine][0] and bad:
+                raise AutospError(
+                    f"autosp.shard({self.__name__}): sp rank {mine} and sp rank {other} passed different values for "
+                    f"argument {paths[bad[0]]} (checksums {sums[bad[0]]} vs {their[bad[0]]}). Every rank of an sp "
+                    "group must pass the same global batch and parameters. Fix: seed identically on every rank, "
+                    "or broadcast the batch from the group's first rank.")
+        sigs = [s for s, _ in sigs]
         if len(set(sigs)) > 1:
-            mine = dist.get_rank(group)
             other = next(i for i, s in enumerate(sigs) if s != sigs[mine])
             raise AutospError(
                 f"autosp.shard({self.__name__}): sp rank {mine} and sp rank {other} passed arguments of different "
@@ -96,7 +107,9 @@ class Sharded:
         key = (spec, self._signature(leaves))
         hit = self._cache.get(key)
         if hit is None:
-            self._agree(key[1])
+            self._check_args(args)
+            paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(args)[0]]
+            self._agree(key[1], leaves, paths)
             _, local = self.graphs(*args)
             hit = self._cache[key] = (local, lower(local))
         return hit

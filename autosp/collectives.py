@@ -206,10 +206,34 @@ def all_to_all(xs: list[Tensor], scatter_dim: int, gather_dim: int, group_name: 
     for Q, K and V in one buffer; (2, 1) is the inverse after attention.
     """
     p = group_size(group_name)
+    ulysses = all(x.ndim == 4 for x in xs) and (scatter_dim, gather_dim) in ((1, 2), (2, 1))
+    if ulysses and (scatter_dim == 1 or len(xs) == 1):
+        return _ulysses_all_to_all(xs, scatter_dim, p, group_name)
     send = a2a_pack(xs, scatter_dim, p)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=_pg(group_name))
     return a2a_unpack(recv, [list(x.shape) for x in xs], scatter_dim, gather_dim, p)
+
+
+def _ulysses_all_to_all(xs: list[Tensor], scatter_dim: int, p: int, group_name: str) -> list[Tensor]:
+    """Attention's layouts through autosp.kernels: the pack writes the send buffer straight from
+    [b, h, s/P, d] (any strides), the unpack writes attention's layout: no permute().contiguous().
+    Triton on CUDA/ROCm, torch elsewhere."""
+    from autosp import kernels
+    if scatter_dim == 1:                          # b h (sp s) d -> b (sp h) s d, Q K V in one buffer
+        b, _, s_loc, d = xs[0].shape
+        send = kernels.ulysses_pack(xs, p)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=_pg(group_name))
+        outs = kernels.ulysses_unpack(recv, [x.shape[1] for x in xs], b, s_loc, d, p)
+        return [o.clone() if o.untyped_storage().data_ptr() == recv.untyped_storage().data_ptr() else o
+                for o in outs]
+    (o,) = xs                                     # b (sp h) s d -> b h (sp s) d, after attention
+    b, h_loc, s, d = o.shape
+    send = kernels.ulysses_pack_out(o, p)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=_pg(group_name))
+    return [kernels.ulysses_unpack_out(recv, b, h_loc, s // p, d, p)]
 
 
 @all_to_all.register_fake

@@ -55,7 +55,7 @@ echo "== check + pytest (parallel, limit 170s)"
 t0=$SECONDS
 timeout --kill-after=10 170 "$PY" bench/bench_kernels.py check >"$OUT/check.log" 2>&1 &
 PID_CHECK=$!
-timeout --kill-after=10 170 "$PY" -m pytest tests/test_kernels.py -q -k cuda -p no:cacheprovider \
+timeout --kill-after=10 170 "$PY" -m pytest tests/gpu -q -p no:cacheprovider \
   >"$OUT/pytest_cuda.log" 2>&1 &
 PID_TEST=$!
 wait $PID_CHECK; RC_CHECK=$?

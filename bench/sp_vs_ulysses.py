@@ -28,14 +28,15 @@ ATTN_NAME = "ds_ulysses_sdpa"
 IGNORE = -100
 
 
-def build_model(args, attn_implementation):
+def build_model(args, attn_implementation, **extra):
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
                       num_key_value_heads=args.kv_heads, max_position_embeddings=max(4096, args.seq),
-                      attn_implementation=attn_implementation)
-    # NB: keep HF's default use_cache=True. With use_cache=False HF's sdpa path builds an explicit
-    # [b, 1, s, s] bool mask and repeats K/V, which sends SDPA to its O(s^2)-memory math kernel.
+                      attn_implementation=attn_implementation, **extra)
+    # With use_cache=False (--no-cache, autosp's side only) HF's sdpa path builds an explicit
+    # [b, 1, s, s] causal mask and repeats K/V; autosp evaluates the mask once, sees that it is
+    # causal and runs is_causal attention. The Ulysses side always runs plain causal SDPA.
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg)
 
@@ -84,7 +85,7 @@ def _job(rank, world, args):
     ids, labels = batch(args.batch, args.seq, args.vocab, seed=0)           # global, identical on all ranks
 
     # ---- A: autosp on the plain single-device loss
-    model_a = build_model(args, "sdpa")
+    model_a = build_model(args, "sdpa", **({"use_cache": False} if args.no_cache else {}))
     params = {k: v.detach().clone().requires_grad_(True) for k, v in model_a.named_parameters()}
     # shard + backward (not value_and_grad): MemTracker's module hooks break torch.autograd.grad on leaves
     step_a_fn = autosp.shard(llama_loss(model_a), mesh)
@@ -181,6 +182,7 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--sp", type=int, default=2)
+    ap.add_argument("--no-cache", action="store_true", help="autosp's model with use_cache=False (explicit mask)")
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args(argv)
     if args.intermediate is None:

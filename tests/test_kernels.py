@@ -23,12 +23,6 @@ from autosp.kernels import (flash_attention, ulysses_pack, ulysses_pack_out, uly
 from autosp.kernels import config
 from autosp.kernels._triton import interpreter_problem, triton_available
 
-needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()),
-                                reason="needs a CUDA/ROCm GPU and triton")
-needs_interpreter = pytest.mark.skipif(
-    not triton_available() or interpreter_problem() is not None,
-    reason=f"Triton interpreter unusable here: {interpreter_problem() if triton_available() else 'no triton'}")
-
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
 
 
@@ -354,33 +348,6 @@ def test_ulysses_errors(call, message):
         call()
     assert message in str(info.value)
 
-
-# ---------------------------------------------------------------- compiled kernels (GPU only)
-
-
-CUDA_CASES = [  # each distinct (dtype, head dim) costs a compile, so not the full cross product
-    ((2, 8, 2, 1000, 128), torch.bfloat16), ((2, 8, 2, 1000, 128), torch.float16),
-    ((2, 8, 2, 1000, 128), torch.float32), ((1, 4, 4, 513, 64), torch.float16), ((3, 6, 2, 65, 32), torch.bfloat16),
-    ((3, 6, 2, 1, 32), torch.bfloat16), ((1, 2, 1, 100, 256), torch.bfloat16), ((2, 4, 2, 300, 80), torch.bfloat16),
-]
-
-
-@needs_cuda
-@pytest.mark.parametrize("shape, dtype", CUDA_CASES,
-                         ids=["x".join(map(str, s)) + "-" + str(t)[6:] for s, t in CUDA_CASES])
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_cuda_triton_matches_float64(shape, dtype, causal):
-    q, k, v = inputs(*shape, dtype, seed=shape[3] + causal, device="cuda")
-    check_fwd_bwd(q, k, v, causal, "triton", TOL[dtype], seed=shape[3])
-    assert torch.equal(flash_attention(q, k, v, causal=causal), flash_attention(q, k, v, causal=causal,
-                                                                                backend="triton"))
-
-
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_cuda_ulysses_layouts_exact(dtype):
-    ulysses_round(4, 2, 33, 128, [8, 4, 4], "triton", dtype=dtype, device="cuda")
-    ulysses_round(2, 1, 64, 80, [4, 2, 2], "auto", dtype=dtype, device="cuda")
 
 
 # ---------------------------------------------------------------- config cache

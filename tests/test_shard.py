@@ -55,8 +55,8 @@ def _sp_job(rank, world, cases):
     return True
 
 
-CASES = [("gpt", 32, {}), ("gpt", 67, {}), ("llama", 32, {}), ("llama", 67, {}),
-         ("llama", 30, {"use_cache": False})]
+CASES = [("gpt", 32, {}), ("gpt", 67, {}), ("llama", 32, {}), ("llama", 67, {}), ("llama", 29, {"kv_heads": 1}),
+         ("llama", 30, {"use_cache": False}), ("llama", 21, {"use_cache": False, "kv_heads": 1})]
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -27,6 +27,7 @@ def _messages(rank, world):
         except autosp.AutospError as exc:
             out[key] = str(exc)
 
+    torch.manual_seed(0)                            # the same parameters on every rank
     sp = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
     tp = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     model = tiny_llama()
@@ -34,6 +35,7 @@ def _messages(rank, world):
     ids, labels = batch(2, 32, 64)
     capture("no_sp", lambda: autosp.shard(fn, tp))
     capture("arity", lambda: autosp.shard(fn, sp)(params, ids))
+    capture("values_differ", lambda: autosp.shard(fn, sp)(params, *batch(2, 32, 64, seed=rank)))
     mine = batch(2, 32 if rank == 0 else 16, 64)
     capture("ranks_differ", lambda: autosp.shard(fn, sp)(params, *mine))
     capture("label_shape", lambda: autosp.shard(fn, sp)(params, ids, labels[:, :-2]))
@@ -56,6 +58,7 @@ def test_error_messages():
     assert "no 'sp' axis" in m["no_sp"] and "Fix" in m["no_sp"]
     assert "missing" in m["arity"] and "Fix" in m["arity"]
     assert "sp rank 0 and sp rank 1 passed arguments of different shapes" in m["ranks_differ"]
+    assert "passed different values for argument [1]" in m["values_differ"] and "Fix" in m["values_differ"]
     assert "could not trace" in m["label_shape"] and "loss_utils.py" in m["label_shape"] and "Fix" in m["label_shape"]
     nr = m["no_rule"]
     assert "sort" in nr and "test_shard_errors.py" in nr and "(sp s)" in nr and "sp=2" in nr and "Fix" in nr

@@ -27,9 +27,9 @@ import torch
 @functools.cache
 def triton_available() -> bool:
     """Whether `import triton` works here (it may be absent, or broken)."""
-    if importlib.util.find_spec("triton") is None:
-        return False
     try:
+        if importlib.util.find_spec("triton") is None:
+            return False
         import triton  # noqa: F401
         import triton.language  # noqa: F401
     except Exception:  # a broken install is as good as none: fall back to torch

@@ -73,7 +73,8 @@ def shard_graph(graph: Graph, mesh: MeshInfo, *, in_specs=None, keep_sharded=())
         pos.pop(n, None)
     chunk = -(-length // mesh.sp_size)
     ctx = ShardCtx(mesh=mesh, chunk=chunk, pos=pos, heavy=activations(graph), graph=graph,
-                   input_free=input_free(graph))
+                   input_free=input_free(graph),
+                   producer={o.name: e for e in graph.eqns for o in e.outputs})
 
     new_inputs = []
     with ctx.fake_mode:

@@ -45,6 +45,7 @@ class ShardCtx:
     rep: dict[str, Var] = field(default_factory=dict)      # old name -> its replicated new var, when known
     graph: Graph | None = None                   # the global graph being rewritten
     input_free: set[str] = field(default_factory=set)     # old names computable without the inputs
+    producer: dict[str, Eqn] = field(default_factory=dict)  # old name -> the global equation defining it
     counter: int = 0
     _cache: dict = field(default_factory=dict)
 

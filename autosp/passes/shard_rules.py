@@ -264,6 +264,12 @@ def attention_rule(ctx: ShardCtx, e: Eqn) -> None:
                          "value_and_grad differentiate it), not a function that calls torch.func.grad.")
     b = bind_schema(e)
     q_old, k_old, v_old = e.inputs[:3]
+    gqa = bool(b.get("enable_gqa"))
+    k_src, v_src = unrepeated_kv(ctx, k_old), unrepeated_kv(ctx, v_old)
+    if k_src is not None and v_src is not None and k_src[1] == v_src[1] and q_old.shape[-3] == k_old.shape[-3]:
+        # HF's repeat_kv (unsqueeze, expand, reshape) copies K and V to every query head; attention
+        # reads the unrepeated K/V with enable_gqa instead: less memory, half the all-to-all traffic
+        k_old, v_old, gqa = k_src[0], v_src[0], True
     p = ctx.mesh.sp_size
     q, k, v = (ctx.as_sharded(t, e.source) for t in (q_old, k_old, v_old))
     for name, t in (("query", q), ("key", k), ("value", v)):
@@ -297,12 +303,30 @@ def attention_rule(ctx: ShardCtx, e: Eqn) -> None:
     elif padded > length and not is_causal:
         mask = ctx.emit(autosp_ops.key_padding_mask, (length, padded, torch.device(q.device)), source=e.source)
     kw = {"attn_mask": mask, "dropout_p": b["dropout_p"], "is_causal": is_causal, "scale": b["scale"]}
-    if b.get("enable_gqa"):
+    if gqa:
         kw["enable_gqa"] = True
     o2 = ctx.emit(e.op.target, (q2, k2, v2), kw, source=e.source)
     (o,) = ctx.emit(C.all_to_all, ([o2], hdim + 1, hdim, ctx.mesh.sp_group), source=e.source,
                     layouts=[Layout(q.ndim - 2, length, q.layout.chunk)])
     ctx.env[e.outputs[0].name] = o
+
+
+def unrepeated_kv(ctx: ShardCtx, kv: Var) -> tuple[Var, int] | None:
+    """(x, n) when kv = reshape(expand(unsqueeze(x, -3), [.., h, n, s, d]), [.., h * n, s, d])."""
+    e1 = ctx.producer.get(kv.name)
+    if e1 is None or e1.op.name not in ("reshape", "view", "_unsafe_view") or kv.ndim != 4:
+        return None
+    e2 = ctx.producer.get(e1.inputs[0].name)
+    if e2 is None or e2.op.name != "expand" or e2.outputs[0].ndim != 5:
+        return None
+    e3 = ctx.producer.get(e2.inputs[0].name)
+    if e3 is None or e3.op.name != "unsqueeze" or _norm(bind_schema(e3)["dim"], 5) != 2:
+        return None
+    x, rep = e3.inputs[0], e2.outputs[0]
+    b, h, n, s, d = rep.shape
+    if x.shape != (b, h, s, d) or kv.shape != (b, h * n, s, d):
+        return None
+    return x, n
 
 
 def is_causal_mask(mask) -> bool:
