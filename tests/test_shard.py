@@ -188,3 +188,36 @@ def _variants_job(rank, world, s):
 @pytest.mark.parametrize("world", [2, 4])
 def test_replicated_terms_and_gathered_outputs(world):
     run_ranks(_variants_job, world, 37)
+
+
+def _api_job(rank, world):
+    """The decorator form, the compile cache, and out_specs that keep an output sharded."""
+    import autosp
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
+    model, fn, params, args = _case("gpt", 30, 0)
+
+    @autosp.shard(mesh=mesh)
+    def loss(params, ids):
+        return fn(params, ids)
+
+    want = fn(params, *args)
+    _close(loss(params, *args), want, "decorated loss")
+    loss(params, *args)
+    assert len(loss._cache) == 1                     # same signature: compiled once
+    short = args[0][:, :20]
+    _close(loss(params, short), fn(params, short), "second length")
+    assert len(loss._cache) == 2
+
+    logits = autosp.shard(lambda p, ids: torch.func.functional_call(model, p, (ids,)), mesh,
+                          out_specs="b (sp s) v")(params, *args)
+    full = torch.func.functional_call(model, params, args)
+    chunk = -(-30 // world)
+    mine = full[:, rank * chunk:(rank + 1) * chunk]
+    assert logits.shape == (2, chunk, 64)           # this rank's chunk, padded at the end
+    _close(logits[:, :mine.shape[1]], mine, "local logits")
+    return True
+
+
+def test_decorator_cache_and_out_specs():
+    run_ranks(_api_job, 4)
