@@ -41,28 +41,29 @@ def _split_seq(shape, dim, outer, inner):
     return tuple(shape[:dim]) + (outer, length, inner) + tuple(shape[dim + 1:]), length
 
 
+def _seq_sized(shape, dim, outer, n, inner) -> list[int]:
+    """`shape` with its sequence dim holding n positions (times the merged outer/inner factors)."""
+    out = list(shape)
+    out[dim] = outer * n * inner
+    return out
+
+
 @torch.library.custom_op("autosp::shard_slice", mutates_args=())
 def shard_slice(x: Tensor, dim: int, outer: int, chunk: int, inner: int, group_name: str) -> Tensor:
     """This rank's chunk of a replicated value along its sequence (zero-padded to P * chunk)."""
-    r, p = group_rank(group_name), group_size(group_name)
     split, length = _split_seq(x.shape, dim, outer, inner)
-    v = x.reshape(split)
-    lo, hi = r * chunk, min((r + 1) * chunk, length)
-    part = v.narrow(dim + 1, lo, max(0, hi - lo)) if lo < length else v.narrow(dim + 1, 0, 0)
+    lo = min(group_rank(group_name) * chunk, length)
+    part = x.reshape(split).narrow(dim + 1, lo, min(chunk, length - lo))
     if part.shape[dim + 1] < chunk:
         pad_shape = list(part.shape)
         pad_shape[dim + 1] = chunk - part.shape[dim + 1]
         part = torch.cat([part, part.new_zeros(pad_shape)], dim=dim + 1)
-    out_shape = list(x.shape)
-    out_shape[dim] = outer * chunk * inner
-    return part.reshape(out_shape).clone()
+    return part.reshape(_seq_sized(x.shape, dim, outer, chunk, inner)).clone()
 
 
 @shard_slice.register_fake
 def _(x, dim, outer, chunk, inner, group_name):
-    shape = list(x.shape)
-    shape[dim] = outer * chunk * inner
-    return x.new_empty(shape)
+    return x.new_empty(_seq_sized(x.shape, dim, outer, chunk, inner))
 
 
 @torch.library.custom_op("autosp::unshard_grad", mutates_args=())
@@ -74,17 +75,12 @@ def unshard_grad(g: Tensor, length: int, dim: int, outer: int, chunk: int, inner
     full[dim + 1] = p * chunk
     out = g.new_zeros(full)
     out.narrow(dim + 1, r * chunk, chunk).copy_(g.reshape(split))
-    out = out.narrow(dim + 1, 0, length)
-    shape = list(g.shape)
-    shape[dim] = outer * length * inner
-    return out.reshape(shape)
+    return out.narrow(dim + 1, 0, length).reshape(_seq_sized(g.shape, dim, outer, length, inner))
 
 
 @unshard_grad.register_fake
 def _(g, length, dim, outer, chunk, inner, group_name):
-    shape = list(g.shape)
-    shape[dim] = outer * length * inner
-    return g.new_empty(shape)
+    return g.new_empty(_seq_sized(g.shape, dim, outer, length, inner))
 
 
 def _shard_slice_setup(ctx, inputs, output):
@@ -131,16 +127,12 @@ def all_gather_seq(x: Tensor, length: int, dim: int, outer: int, chunk: int, inn
     dist.all_gather(parts, x.contiguous(), group=_pg(group_name))
     split = list(x.shape[:dim]) + [outer, chunk, inner] + list(x.shape[dim + 1:])
     full = torch.cat([t.reshape(split) for t in parts], dim=dim + 1).narrow(dim + 1, 0, length)
-    shape = list(x.shape)
-    shape[dim] = outer * length * inner
-    return full.reshape(shape)
+    return full.reshape(_seq_sized(x.shape, dim, outer, length, inner))
 
 
 @all_gather_seq.register_fake
 def _(x, length, dim, outer, chunk, inner, group_name):
-    shape = list(x.shape)
-    shape[dim] = outer * length * inner
-    return x.new_empty(shape)
+    return x.new_empty(_seq_sized(x.shape, dim, outer, length, inner))
 
 
 def _gather_setup(ctx, inputs, output):
