@@ -171,12 +171,3 @@ def _freeze(x):
     if isinstance(x, dict):
         return {k: _freeze(v) for k, v in x.items()}
     return x
-
-
-def map_vars(fn: Callable[[Var], Var], graph: Graph) -> Graph:
-    """Rename/retype every Var of a graph consistently (fn sees each var once per use)."""
-    eqns = tuple(e.replace(inputs=tuple(map(fn, e.inputs)), outputs=tuple(map(fn, e.outputs)))
-                 for e in graph.eqns)
-    outs = tuple(fn(o) if isinstance(o, Var) else o for o in graph.outputs)
-    consts = tuple((fn(v), t) for v, t in graph.consts)
-    return graph.replace(inputs=tuple(map(fn, graph.inputs)), eqns=eqns, outputs=outs, consts=consts)

@@ -54,10 +54,6 @@ class ShardCtx:
         self.counter += 1
         return str(self.counter - 1)
 
-    def add_input(self, var: Var, fake) -> Var:
-        self.fakes[var.name] = fake
-        return var
-
     def emit(self, target, args, kwargs=None, *, source=None, layouts=None):
         """Append target(*args, **kwargs) (Vars inside) and return its output Var(s)."""
         kwargs = kwargs or {}
