@@ -152,7 +152,7 @@ def table(out_path: Path | None, rep_ms: int) -> str:
             flops = 4 * b * hq * s * s * d / 2
             res = {}
             try:
-                res["autosp"] = time_impl(lambda: torch.ops.autosp.flash_attention(*leaves, True, None, "triton"),
+                res["autosp"] = time_impl(lambda ls=leaves: torch.ops.autosp.flash_attention(*ls, True, None, "triton"),
                                           leaves, do, rep_ms)
             except Exception as e:
                 print(f"autosp failed at s={s}: {type(e).__name__}: {e}", flush=True)

@@ -64,8 +64,8 @@ def main():
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=256)
     a = ap.parse_args()
-    print(f"| s | SP | single-device peak | per-rank peak (max) | ratio | loss (sp / single) |")
-    print(f"|---|---|---|---|---|---|")
+    print("| s | SP | single-device peak | per-rank peak (max) | ratio | loss (sp / single) |")
+    print("|---|---|---|---|---|---|")
     for p in a.sp:
         m = measure(a.seq, p, a.layers, a.hidden)
         worst = max(m["sp"])

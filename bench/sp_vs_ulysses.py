@@ -206,8 +206,8 @@ def main(argv=None):
     print(f"grads max rel diff A vs B (max over params, ranks): {max(r['grad_rel'] for r in res):.3e}")
 
     med = {s: statistics.median(r0["times"][s]) for s in ("A", "B")}
-    print(f"\n| metric | autosp (A) | DS-Ulysses (B) | A/B |")
-    print(f"|---|---|---|---|")
+    print("\n| metric | autosp (A) | DS-Ulysses (B) | A/B |")
+    print("|---|---|---|---|")
     print(f"| median step time, fwd+bwd ({args.steps} steps, s) | {med['A']:.3f} | {med['B']:.3f} | "
           f"{med['A'] / med['B']:.3f} |")
     for r in res:

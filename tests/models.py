@@ -1,7 +1,6 @@
 """Models the tests trace and shard: an MLP, a small GPT, and HF Llama with a tiny config."""
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn as nn

@@ -1,7 +1,6 @@
 """The IR: trace, print, verify, interpret and lower equal eager, forward and grad_and_value."""
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 import autosp

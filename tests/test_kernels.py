@@ -23,6 +23,10 @@ from autosp.kernels import (flash_attention, ulysses_pack, ulysses_pack_out, uly
 from autosp.kernels import config
 from autosp.kernels._triton import interpreter_problem, triton_available
 
+needs_interpreter = pytest.mark.skipif(
+    not triton_available() or interpreter_problem() is not None,
+    reason=f"Triton interpreter unusable here: {interpreter_problem() if triton_available() else 'no triton'}")
+
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
 
 
