@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # torch is installed first and pinned: the CPU wheel on local disk. Any other spec pulls a CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench gpu-check clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -21,8 +21,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VPY) -m pytest
 
+# deepspeed builds from source: without build isolation, or its build env pulls a CUDA torch
 bench: $(STAMP)
-	$(VPY) -m pip install -q -e '.[test,bench]'
+	$(VPY) -m pip install -q --no-build-isolation deepspeed matplotlib tqdm
+	$(VPY) bench/memory.py
+	$(VPY) bench/sp_vs_ulysses.py
+
+# on a GPU machine: kernels against torch and SDPA's FLASH / cuDNN; logs into $(OUT)
+OUT ?= bench/out
+gpu-check:
+	bash bench/gpu_check.sh $(OUT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
