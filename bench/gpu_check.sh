@@ -5,7 +5,7 @@
 #
 #  1. environment (GPU, torch, triton)
 #  2. correctness at real sizes against a float64 reference (bf16 / fp16 / fp32), in parallel with
-#     the CUDA tests of tests/test_kernels.py
+#     the CUDA tests in tests/gpu/
 #  3. quick autotuning (bench/autotune_attention.py, bench/autotune_a2a.py) into OUT_DIR/kernel_configs.json,
 #     which the later steps read (AUTOSP_KERNEL_CONFIGS)
 #  4. Ulysses pack/unpack bandwidth against a plain copy
