@@ -242,17 +242,19 @@ def loss_rule(ctx: ShardCtx, e: Eqn) -> None:
     if mask is not None:
         valid = ctx.emit(aten.logical_and.default, (valid, mask), source=e.source)
     per = ctx.emit(aten.where.ScalarOther, (valid, per, 0.0), source=e.source)
-    total = ctx.emit(aten.sum.default, (per,), source=e.source)
+    acc = torch.float32 if per.dtype in (torch.float16, torch.bfloat16) else per.dtype   # token counts
+    total = ctx.emit(aten.sum.dim_IntList, (per, list(range(per.ndim))), {"dtype": acc}, source=e.source)
+    cast = (lambda v: v) if acc == per.dtype else \
+        (lambda v: ctx.emit(aten._to_copy.default, (v,), {"dtype": per.dtype}, source=e.source))
     if reduction == 2:
-        ctx.env[e.outputs[0].name] = ctx.emit(C.all_reduce_sum, (total, ctx.mesh.sp_group), source=e.source)
+        ctx.env[e.outputs[0].name] = cast(ctx.emit(C.all_reduce_sum, (total, ctx.mesh.sp_group), source=e.source))
         return
-    count = ctx.emit(aten.sum.dim_IntList, (valid, list(range(valid.ndim))), {"dtype": per.dtype},
-                     source=e.source)
+    count = ctx.emit(aten.sum.dim_IntList, (valid, list(range(valid.ndim))), {"dtype": acc}, source=e.source)
     both = ctx.emit(aten.stack.default, ([total, count],), source=e.source)
     both = ctx.emit(C.all_reduce_sum, (both, ctx.mesh.sp_group), source=e.source)
     num = ctx.emit(aten.select.int, (both, 0, 0), source=e.source)
     den = ctx.emit(aten.select.int, (both, 0, 1), source=e.source)
-    ctx.env[e.outputs[0].name] = ctx.emit(aten.div.Tensor, (num, den), source=e.source)
+    ctx.env[e.outputs[0].name] = cast(ctx.emit(aten.div.Tensor, (num, den), source=e.source))
 
 
 def attention_rule(ctx: ShardCtx, e: Eqn) -> None:
