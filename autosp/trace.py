@@ -23,6 +23,9 @@ from autosp.ir.ops import op_for
 _DATA_DEPENDENT = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
 _STATIC_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device)
 _TORCH_DIR = os.path.dirname(torch.__file__)
+# make_fx learned record_stack_traces after torch 2.5; older versions trace without source lines
+_STACK_TRACES = ({"record_stack_traces": True}
+                 if "record_stack_traces" in inspect.signature(make_fx).parameters else {})
 _AUTOSP_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -82,7 +85,7 @@ def _make_fx(fn, flat_fn, real, *, pre_dispatch: bool) -> torch.fx.GraphModule:
     _anchor_user_frames(fn)
     try:
         return make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True,
-                       pre_dispatch=pre_dispatch, record_stack_traces=True)(*real)
+                       pre_dispatch=pre_dispatch, **_STACK_TRACES)(*real)
     except TraceError:
         raise
     except Exception as exc:  # noqa: BLE001 - any tracing failure becomes one clear error

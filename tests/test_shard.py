@@ -15,7 +15,8 @@ def _close(got, want, what):
 def _reference(fn, params, *args):
     p = {k: v.clone().requires_grad_(True) for k, v in params.items()}
     loss = fn(p, *args)
-    return loss.detach(), dict(zip(p, torch.autograd.grad(loss, list(p.values()))))
+    grads = torch.autograd.grad(loss, list(p.values()), allow_unused=True)
+    return loss.detach(), {k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(p.items(), grads)}
 
 
 def _case(which, s, seed, **extra):
@@ -162,7 +163,15 @@ def _variant_fns(model):
     def logits_out(params, ids):
         return torch.func.functional_call(model, params, (ids,))
 
-    return {"penalised": penalised, "pooled": pooled, "summed": summed, "logits": logits_out}
+    def bidirectional(params, ids):
+        """An encoder: no mask, not causal, so padding needs a key mask of its own."""
+        x = params["wte.weight"][ids]                                        # (B, T, C)
+        q = x.view(*ids.shape, 4, 8).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, q * 0.5, q, scale=0.3)
+        return y.transpose(1, 2).reshape(x.shape).pow(2).mean()
+
+    return {"penalised": penalised, "pooled": pooled, "summed": summed, "logits": logits_out,
+            "bidirectional": bidirectional}
 
 
 def _variants_job(rank, world, s):
@@ -178,7 +187,8 @@ def _variants_job(rank, world, s):
         p = {k: v.clone().requires_grad_(True) for k, v in params.items()}
         out = step(p, ids)
         loss = (out * probe).sum() if name == "logits" else out
-        got = torch.autograd.grad(loss, list(p.values()))
+        got = torch.autograd.grad(loss, list(p.values()), allow_unused=True)
+        got = [torch.zeros_like(v) if g is None else g for v, g in zip(p.values(), got)]
         _close(loss.detach(), ref_loss, f"{name} loss")
         for k, g in zip(p, got):
             _close(g, ref_grads[k], f"{name} grad {k}")
