@@ -160,11 +160,25 @@ class ShardCtx:
         return self._cache[key]
 
     def as_sharded(self, old: Var, source=None) -> Var:
-        """The new value of `old`, sharded if it has a sequence dim and is replicated now."""
+        """The new value of `old`, sharded if it has a sequence dim and is replicated now.
+
+        A replicated value made by a position-wise op from replicated values (RoPE's cos and
+        sin, unsqueezed once per layer) is rebuilt from its sharded inputs instead: the shard
+        moves up the chain, so each source is sliced once and the chain runs on s/P positions.
+        """
         new = self.env[old.name]
-        if new.layout is None and old.name in self.pos and new.dtype is not None:
-            return self.shard(new, old, source)
-        return new
+        if new.layout is not None or old.name not in self.pos or new.dtype is None:
+            return new
+        from autosp.passes.shard_rules import positionwise, rule_for
+        e = self.producer.get(old.name)
+        if (e is not None and len(e.outputs) == 1 and rule_for(e) is positionwise
+                and any(x.name in self.pos for x in e.inputs) and old.name not in self.heavy):
+            self.rep[old.name] = new
+            positionwise(self, e, force=True)
+            if self.env[old.name].layout is not None:
+                return self.env[old.name]
+            self.env[old.name] = new
+        return self.shard(new, old, source)
 
     def as_replicated(self, old: Var, source=None) -> Var:
         new = self.env[old.name]

@@ -73,9 +73,10 @@ def gather_fallback(ctx: ShardCtx, e: Eqn) -> None:
     replicate(ctx, e)
 
 
-def positionwise(ctx: ShardCtx, e: Eqn) -> None:
-    """The shard passes through: inputs with a sequence go local, the op runs on the chunk."""
-    if not _sharded_inputs(ctx, e) and not any(ctx.wants_shard(o) for o in e.outputs):
+def positionwise(ctx: ShardCtx, e: Eqn, force: bool = False) -> None:
+    """The shard passes through: inputs with a sequence go local, the op runs on the chunk.
+    Without a sharded input or an activation output it runs replicated, unless `force`d."""
+    if not force and not _sharded_inputs(ctx, e) and not any(ctx.wants_shard(o) for o in e.outputs):
         return replicate(ctx, e)
     target = e.op.target
     new_in = [ctx.as_sharded(x, e.source) if x.name in ctx.pos else ctx.env[x.name] for x in e.inputs]
