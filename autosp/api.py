@@ -70,8 +70,7 @@ class Sharded:
     def _agree(self, sig, leaves, paths):
         """All sp ranks must pass the same global values: compare shapes and checksums once per compile."""
         group = dist.distributed_c10d._resolve_process_group(self.info.sp_group)
-        sums = [round(float(x.detach().double().sum()), 6) if isinstance(x, torch.Tensor) and x.device.type != "meta"
-                else None for x in leaves]
+        sums = [_checksum(x) for x in leaves]
         sigs = [None] * self.info.sp_size
         dist.all_gather_object(sigs, (repr(sig), sums), group=group)
         mine = dist.get_rank(group)
@@ -120,6 +119,16 @@ class Sharded:
         static = {i for i, _ in local.static_args}
         outs = module(*[x for i, x in enumerate(leaves) if i not in static])
         return pytree.tree_unflatten(list(outs), local.out_spec)
+
+
+def _checksum(x) -> int | None:
+    """An exact, order-independent checksum of a tensor's bytes (integer sums do not depend on
+    thread counts the way float sums do), or None for non-tensors and meta tensors."""
+    if not isinstance(x, torch.Tensor) or x.device.type == "meta":
+        return None
+    raw = x.detach().contiguous().reshape(-1).view(torch.uint8)
+    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+    return int(words.to(torch.int64).sum()) ^ (int(words[::7].to(torch.int64).sum()) << 1)
 
 
 def _flat_specs(in_specs, args, graph: Graph):
