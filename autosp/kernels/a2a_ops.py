@@ -203,58 +203,42 @@ pack_seq_op.register_autograd(_pack_seq_bwd, setup_context=_save_list_shape)
 unpack_seq_op.register_autograd(_unpack_seq_bwd, setup_context=_save_buf_args)
 
 
-class _PackHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(world, backend, *xs):
-        return torch.ops.autosp.ulysses_pack_heads(list(xs), world, backend)
+def _pack_function(op, bwd):
+    """An autograd.Function over a pack op (torch.func accepts these, not a custom op's own autograd)."""
+    class Pack(torch.autograd.Function):
+        @staticmethod
+        def forward(world, backend, *xs):
+            return op(list(xs), world, backend)
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        world, backend, *xs = inputs
-        _save_list_shape(ctx, (xs, world, backend), output)
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            world, backend, *xs = inputs
+            _save_list_shape(ctx, (xs, world, backend), output)
 
-    @staticmethod
-    def backward(ctx, g):
-        return None, None, *_pack_heads_bwd(ctx, g)[0]
-
-
-class _UnpackHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(buf, head_counts, b, s, d, world, backend):
-        return tuple(torch.ops.autosp.ulysses_unpack_heads(buf, head_counts, b, s, d, world, backend))
-
-    setup_context = staticmethod(_save_buf_args)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return _unpack_heads_bwd(ctx, grads)
+        @staticmethod
+        def backward(ctx, g):
+            return None, None, *bwd(ctx, g)[0]
+    return Pack
 
 
-class _PackSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(world, backend, *xs):
-        return torch.ops.autosp.ulysses_pack_seq(list(xs), world, backend)
+def _unpack_function(op, bwd):
+    class Unpack(torch.autograd.Function):
+        @staticmethod
+        def forward(buf, counts, b, s, d, world, backend):
+            return tuple(op(buf, counts, b, s, d, world, backend))
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        world, backend, *xs = inputs
-        _save_list_shape(ctx, (xs, world, backend), output)
+        setup_context = staticmethod(_save_buf_args)
 
-    @staticmethod
-    def backward(ctx, g):
-        return None, None, *_pack_seq_bwd(ctx, g)[0]
+        @staticmethod
+        def backward(ctx, *grads):
+            return bwd(ctx, grads)
+    return Unpack
 
 
-class _UnpackSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(buf, heads, b, s, d, world, backend):
-        return tuple(torch.ops.autosp.ulysses_unpack_seq(buf, heads, b, s, d, world, backend))
-
-    setup_context = staticmethod(_save_buf_args)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return _unpack_seq_bwd(ctx, grads)
+_PackHeads = _pack_function(torch.ops.autosp.ulysses_pack_heads, _pack_heads_bwd)
+_UnpackHeads = _unpack_function(torch.ops.autosp.ulysses_unpack_heads, _unpack_heads_bwd)
+_PackSeq = _pack_function(torch.ops.autosp.ulysses_pack_seq, _pack_seq_bwd)
+_UnpackSeq = _unpack_function(torch.ops.autosp.ulysses_unpack_seq, _unpack_seq_bwd)
 
 
 def _tracks_grad(*tensors) -> bool:
