@@ -1,8 +1,8 @@
 """autosp: automatic sequence parallelism for long-context training."""
 from autosp import ir
-from autosp.api import compile, explain, shard, value_and_grad  # noqa: A004
+from autosp.api import compile, explain, plan, shard, value_and_grad  # noqa: A004
 from autosp.errors import AutospError
 from autosp.trace import trace
 
 __version__ = "0.1.0"
-__all__ = ["AutospError", "compile", "explain", "ir", "shard", "trace", "value_and_grad"]
+__all__ = ["AutospError", "compile", "explain", "ir", "plan", "shard", "trace", "value_and_grad"]

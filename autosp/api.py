@@ -17,6 +17,7 @@ from autosp.errors import AutospError
 from autosp.ir.core import Graph
 from autosp.ir.lower import lower
 from autosp.ir.verify import verify
+from autosp.passes.functionalize import functionalize
 from autosp.passes.shard import shard_graph
 from autosp.passes.shard_ctx import MeshInfo
 from autosp.trace import trace
@@ -46,8 +47,12 @@ def mesh_info(mesh) -> MeshInfo:
 class Sharded:
     """fn made sequence-parallel; compiled once per input signature (shapes, dtypes, mesh)."""
 
-    def __init__(self, fn, mesh, in_specs=None, out_specs=None):
+    def __init__(self, fn, mesh, in_specs=None, out_specs=None, memory_budget=None, host_bandwidth=None):
         self.fn, self.mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
+        self.memory_budget, self.host_bandwidth = memory_budget, host_bandwidth
+        if memory_budget is not None:
+            from autosp.remat.plan import parse_budget
+            parse_budget(memory_budget)         # a bad budget fails here, not at the first call
         self.info = mesh_info(mesh)
         self._cache: dict = {}
         self.__wrapped__ = fn
@@ -93,7 +98,7 @@ class Sharded:
     def graphs(self, *args) -> tuple[Graph, Graph]:
         """(global trace, per-rank sharded graph) for these arguments."""
         self._check_args(args)
-        graph = trace(self.fn, *args)
+        graph = functionalize(trace(self.fn, *args))
         specs = _flat_specs(self.in_specs, args, graph)
         keep = _keep_sharded(self.out_specs, graph)
         local = shard_graph(graph, self.info, in_specs=specs, keep_sharded=keep)
@@ -110,11 +115,28 @@ class Sharded:
             paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(args)[0]]
             self._agree(key[1], leaves, paths)
             _, local = self.graphs(*args)
-            hit = self._cache[key] = (local, lower(local))
+            if self.memory_budget is None:
+                hit = (local, lower(local), None)
+            else:
+                plan, runner = self._remat(local, leaves)
+                hit = (local, runner, plan)
+            self._cache[key] = hit
         return hit
 
+    def _remat(self, local: Graph, leaves):
+        """The step with a remat plan: joint graph, plan (the same on every sp rank), runner."""
+        from autosp.remat import compile_step
+        dev = next((x.device.type for x in leaves if isinstance(x, torch.Tensor)), "cpu")
+        plan, runner = compile_step(local, self.memory_budget, device=dev, host_bandwidth=self.host_bandwidth,
+                                    group=self.info.sp_group)
+        return plan, runner
+
+    def plan(self, *args):
+        """The remat plan for these arguments (compiles if needed)."""
+        return self.compile(*args)[2]
+
     def __call__(self, *args):
-        local, module = self.compile(*args)
+        local, module, _ = self.compile(*args)
         leaves, _ = pytree.tree_flatten(args)
         static = {i for i, _ in local.static_args}
         outs = module(*[x for i, x in enumerate(leaves) if i not in static])
@@ -155,24 +177,29 @@ def _keep_sharded(out_specs, graph: Graph) -> set[int]:
     return {i for i, s in enumerate(specs) if isinstance(s, str) and "sp" in s}
 
 
-def shard(fn=None, mesh=None, *, in_specs=None, out_specs=None):
-    """fn's sequence-parallel twin over mesh's 'sp' axis; also usable as @shard(mesh=mesh)."""
+def shard(fn=None, mesh=None, *, in_specs=None, out_specs=None, memory_budget=None, host_bandwidth=None):
+    """fn's sequence-parallel twin over mesh's 'sp' axis; also usable as @shard(mesh=mesh).
+
+    memory_budget: None (save what autograd saves), a fraction of that step's peak (0.3), or
+    bytes per rank (an int, '20GiB'): the remat plan then saves, recomputes or offloads each
+    activation to fit. host_bandwidth (bytes/s) lets the plan offload to host memory.
+    """
     if fn is None:
-        return lambda f: Sharded(f, mesh, in_specs, out_specs)
+        return lambda f: Sharded(f, mesh, in_specs, out_specs, memory_budget, host_bandwidth)
     if mesh is None:
         raise AutospError("autosp.shard: no mesh given. Fix: autosp.shard(fn, mesh) or @autosp.shard(mesh=mesh).")
-    return Sharded(fn, mesh, in_specs, out_specs)
+    return Sharded(fn, mesh, in_specs, out_specs, memory_budget, host_bandwidth)
 
 
-def value_and_grad(fn, mesh, *, in_specs=None, out_specs=None):
+def value_and_grad(fn, mesh, *, in_specs=None, out_specs=None, memory_budget=None, host_bandwidth=None):
     """JAX-style: (loss, grads of the first argument), both the single-device values on every sp rank."""
-    step = shard(fn, mesh, in_specs=in_specs, out_specs=out_specs)
+    step = shard(fn, mesh, in_specs=in_specs, out_specs=out_specs, memory_budget=memory_budget,
+                 host_bandwidth=host_bandwidth)
 
     def run(params, *rest):
-        leaves, spec = pytree.tree_flatten(params)
-        live = [x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-                for x in leaves]
-        loss = step(pytree.tree_unflatten(live, spec), *rest)
+        params = _differentiable(params)
+        live, spec = pytree.tree_flatten(params)
+        loss = step(params, *rest)
         wrt = [x for x in live if isinstance(x, torch.Tensor) and x.requires_grad]
         grads = iter(torch.autograd.grad(loss, wrt, allow_unused=True))
         out = [next(grads) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in live]
@@ -186,10 +213,12 @@ def value_and_grad(fn, mesh, *, in_specs=None, out_specs=None):
 class ShardedModule(torch.nn.Module):
     """nn.Module path: forward is sharded; loss.backward() fills the module's .grad as usual."""
 
-    def __init__(self, module: torch.nn.Module, mesh, in_specs=None, out_specs=None):
+    def __init__(self, module: torch.nn.Module, mesh, in_specs=None, out_specs=None, memory_budget=None,
+                 host_bandwidth=None):
         super().__init__()
         self.module = module
-        self._step = shard(self._call, mesh, in_specs=in_specs, out_specs=out_specs)
+        self._step = shard(self._call, mesh, in_specs=in_specs, out_specs=out_specs, memory_budget=memory_budget,
+                           host_bandwidth=host_bandwidth)
 
     def _call(self, params, args, kwargs):
         return torch.func.functional_call(self.module, params, args, kwargs)
@@ -198,15 +227,52 @@ class ShardedModule(torch.nn.Module):
         return self._step(dict(self.module.named_parameters()), args, kwargs)
 
 
-def compile(model: torch.nn.Module, mesh, *, in_specs=None, out_specs=None) -> ShardedModule:  # noqa: A001
-    return ShardedModule(model, mesh, in_specs, out_specs)
+def compile(model: torch.nn.Module, mesh, *, in_specs=None, out_specs=None, memory_budget=None,  # noqa: A001
+            host_bandwidth=None) -> ShardedModule:
+    return ShardedModule(model, mesh, in_specs, out_specs, memory_budget, host_bandwidth)
 
 
-def explain(fn, mesh, *args, in_specs=None) -> str:
-    """The chain printed: the global trace, then the per-rank graph with layouts and collectives."""
+def _differentiable(params):
+    """The first argument's floating leaves as fresh leaves that require grad (value_and_grad's view)."""
+    leaves, spec = pytree.tree_flatten(params)
+    live = [x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            for x in leaves]
+    return pytree.tree_unflatten(live, spec)
+
+
+def plan(fn, mesh, *args, memory_budget=None, in_specs=None, host_bandwidth=None, device: str | None = None):
+    """The remat plan of value_and_grad(fn, mesh, memory_budget=...) on these arguments; runs nothing.
+
+    Arguments may be meta tensors. The gradient is taken w.r.t. the first argument, as in
+    value_and_grad. `device` ('cpu', 'cuda') picks the cost model; by default the arguments'.
+    """
+    from autosp.remat import plan_step
+    if not args:
+        raise AutospError("autosp.plan: no arguments. Fix: autosp.plan(fn, mesh, params, *batch, memory_budget=0.3).")
+    args = (_differentiable(args[0]),) + tuple(args[1:])
+    _, local = Sharded(fn, mesh, in_specs).graphs(*args)
+    if device is None:
+        kinds = [x.device.type for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+        device = next((k for k in kinds if k != "meta"), "cpu")
+    return plan_step(local, memory_budget, device=device, host_bandwidth=host_bandwidth)[0]
+
+
+def explain(fn, mesh, *args, in_specs=None, memory_budget=None, host_bandwidth=None) -> str:
+    """The chain printed: the global trace, the per-rank graph with layouts and collectives, and,
+    with a memory_budget, the remat plan with its predicted peak (the gradient is taken w.r.t.
+    the first argument, as in value_and_grad)."""
+    if memory_budget is not None and args:
+        args = (_differentiable(args[0]),) + tuple(args[1:])
     graph, local = Sharded(fn, mesh, in_specs).graphs(*args)
     colls = [e for e in local.eqns if e.op.name in ("all_to_all", "all_reduce_sum", "all_gather_seq")]
     head = (f"# autosp.explain: sp={mesh_info(mesh).sp_size}, {len(graph.eqns)} global equations -> "
             f"{len(local.eqns)} per-rank, collectives: "
             + ", ".join(f"{n}x{sum(e.op.name == n for e in colls)}" for n in sorted({e.op.name for e in colls})))
-    return "\n\n".join([head, str(graph), str(local)])
+    parts = [head, str(graph), str(local)]
+    if memory_budget is not None:
+        from autosp.remat import plan_step
+        kinds = [x.device.type for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+        device = next((k for k in kinds if k != "meta"), "cpu")
+        plan, program, _, _ = plan_step(local, memory_budget, device=device, host_bandwidth=host_bandwidth)
+        parts += [str(plan), str(program.forward), str(program.backward)]
+    return "\n\n".join(parts)

@@ -36,6 +36,17 @@ def group_size(name: str) -> int:
 
 # ---------------------------------------------------------------- shard_slice / its backward
 
+def _release(*buffers: Tensor, keep=()) -> None:
+    """Free a collective's own buffers now. The backend may hold references to them for a while
+    after the call returns (gloo's worker thread does), which would make the step's memory
+    depend on thread timing; the data is no longer needed, so the storage goes at once.
+    A buffer that shares storage with a tensor in `keep` (an input, an output) is left alone."""
+    kept = {t.untyped_storage().data_ptr() for t in keep}
+    for b in buffers:
+        if b.untyped_storage().data_ptr() not in kept:
+            b.untyped_storage().resize_(0)
+
+
 def _split_seq(shape, dim, outer, inner):
     length = shape[dim] // (outer * inner)
     return tuple(shape[:dim]) + (outer, length, inner) + tuple(shape[dim + 1:]), length
@@ -127,7 +138,8 @@ def all_gather_seq(x: Tensor, length: int, dim: int, outer: int, chunk: int, inn
     dist.all_gather(parts, x.contiguous(), group=_pg(group_name))
     split = list(x.shape[:dim]) + [outer, chunk, inner] + list(x.shape[dim + 1:])
     full = torch.cat([t.reshape(split) for t in parts], dim=dim + 1).narrow(dim + 1, 0, length)
-    return full.reshape(_seq_sized(x.shape, dim, outer, length, inner))
+    _release(*parts, keep=(x,))
+    return full.reshape(_seq_sized(x.shape, dim, outer, length, inner)).contiguous()
 
 
 @all_gather_seq.register_fake
@@ -204,7 +216,9 @@ def all_to_all(xs: list[Tensor], scatter_dim: int, gather_dim: int, group_name: 
     send = a2a_pack(xs, scatter_dim, p)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=_pg(group_name))
-    return a2a_unpack(recv, [list(x.shape) for x in xs], scatter_dim, gather_dim, p)
+    outs = a2a_unpack(recv, [list(x.shape) for x in xs], scatter_dim, gather_dim, p)
+    _release(send, recv, keep=list(xs) + outs)
+    return outs
 
 
 def _ulysses_all_to_all(xs: list[Tensor], scatter_dim: int, p: int, group_name: str) -> list[Tensor]:
@@ -218,19 +232,30 @@ def _ulysses_all_to_all(xs: list[Tensor], scatter_dim: int, p: int, group_name: 
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=_pg(group_name))
         outs = kernels.ulysses_unpack(recv, [x.shape[1] for x in xs], b, s_loc, d, p)
-        return [o.clone() if o.untyped_storage().data_ptr() == recv.untyped_storage().data_ptr() else o
+        outs = [o.clone() if o.untyped_storage().data_ptr() == recv.untyped_storage().data_ptr() else o
                 for o in outs]
+        _release(send, recv, keep=list(xs) + outs)
+        return outs
     (o,) = xs                                     # b (sp h) s d -> b h (sp s) d, after attention
     b, h_loc, s, d = o.shape
     send = kernels.ulysses_pack_out(o, p)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=_pg(group_name))
-    return [kernels.ulysses_unpack_out(recv, b, h_loc, s // p, d, p)]
+    out = kernels.ulysses_unpack_out(recv, b, h_loc, s // p, d, p)
+    if out.untyped_storage().data_ptr() == recv.untyped_storage().data_ptr():
+        out = out.clone()
+    _release(send, recv, keep=[o, out])
+    return [out]
 
 
 @all_to_all.register_fake
 def _(xs, scatter_dim, gather_dim, group_name):
+    # the same strides as the real op (a traced view must be valid on the real output): the
+    # inverse Ulysses all-to-all of one [b, h, s, d] tensor writes it stored as [b, s, h, d]
     p = group_size(group_name)
+    if len(xs) == 1 and xs[0].ndim == 4 and (scatter_dim, gather_dim) == (2, 1):
+        b, h, s, d = _a2a_shape(xs[0].shape, 2, 1, p)
+        return [xs[0].new_empty((b, s, h, d)).transpose(1, 2)]
     return [x.new_empty(_a2a_shape(x.shape, scatter_dim, gather_dim, p)) for x in xs]
 
 

@@ -1,16 +1,48 @@
-"""Per-rank peak memory of a step, as MemTracker sees it (every allocation, autograd's included)."""
+"""Measured memory: the peak bytes a step allocates on top of what was live before it.
+
+The profiler's allocation events (`profile_memory=True`) see every allocation through torch's
+allocator, including those inside collectives, attention and autograd.grad; the running sum
+of their sizes, in time order, peaks where the step does. (MemTracker misses op-internal
+buffers and refuses torch.autograd.grad.) On CUDA the allocator's own peak counter is used.
+"""
 from __future__ import annotations
 
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
 
 
-def peak_bytes(step, *tracked: torch.Tensor) -> tuple[int, object]:
-    """(peak bytes on the step's device, step's result); `tracked` tensors live before the step."""
-    mt = MemTracker()
-    if tracked:
-        mt.track_external(*tracked)
-    with mt:
+def peak_bytes(step, *tracked: torch.Tensor, device: str | None = None) -> tuple[int, object]:
+    """(peak bytes allocated by step() above what was live when it began, step's result).
+
+    `tracked` is accepted for the old signature: tensors alive before the step are not counted.
+    """
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         out = step()
-    snap = mt.get_tracker_snapshot("peak")
-    return max(v.get("Total", 0) for v in snap.values()), out
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before, out
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    cur = best = 0
+    for e in events:
+        cur += e.nbytes()
+        best = max(best, cur)
+    return best, out
+
+
+def allocation_trace(step) -> tuple[list[int], object]:
+    """The running sum of allocated bytes after every allocation event of step() (for plots, tests)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    run, cur = [], 0
+    for e in events:
+        cur += e.nbytes()
+        run.append(cur)
+    return run, out

@@ -177,6 +177,10 @@ def _trace_failure(fn, exc: Exception) -> TraceError:
         fix = ("the value of a tensor decides Python control flow or a shape here (`.item()`, `if t:`, "
                "`bool(t)`, nonzero/masked_select). Fix: compute with torch.where / masks instead of "
                "branching, or pass the value as a Python int argument")
+    elif "grouped_mm" in where or any("grouped_mm" in (f.line or "") for f in frames):
+        fix = ("torch's grouped_mm (transformers' default MoE experts kernel) has no fake kernel for these "
+               "dtypes, so it cannot be traced. Fix: build the model with experts_implementation=\"batched_mm\" "
+               "in its config (exact, traceable), or run the experts in bf16")
     else:
         fix = ("Fix: the function raised this on arguments of these shapes and dtypes; check them against "
                "what it expects (it must run on one device as written)")

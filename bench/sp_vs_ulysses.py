@@ -7,7 +7,8 @@ Same HF Llama (sdpa), same global batch, SP = 2 processes (1 thread each), steps
       labels shifted globally then sharded, local summed loss / global token count, param grads
       all-reduced over sp.
 First step: both losses (and grads) compared. Then median step time (fwd+bwd) per side and per-rank
-peak memory of one step (torch.distributed._tools.mem_tracker.MemTracker).
+peak memory of one step: bytes allocated above what was live before it (autosp.memory.peak_bytes,
+the profiler's allocation events).
 
     .venv/bin/python bench/sp_vs_ulysses.py [--seq 4096 --steps 5 --layers 4 --hidden 256]
 """
@@ -67,28 +68,61 @@ def register_ulysses_attention(group):
     AttentionInterface.register(ATTN_NAME, attention)
 
 
-def _job(rank, world, args):
+def ulysses_batch(ids, labels, group):
+    """This rank's share of the batch, by hand: sharded ids, offset positions, labels shifted
+    globally then sharded, and the global count of counted tokens."""
+    import torch.distributed as dist
+    r, p = dist.get_rank(group), dist.get_world_size(group)
+    s = ids.size(1)
+    assert s % p == 0, "the hand-written side needs seq divisible by sp"
+    lo, hi = r * (s // p), (r + 1) * (s // p)
+    ids_loc = ids[:, lo:hi].contiguous()                                    # shard the ids
+    pos_loc = torch.arange(lo, hi).unsqueeze(0).expand(ids.size(0), -1)     # offset positions
+    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)  # shift globally
+    lab_loc = shifted[:, lo:hi].contiguous()                                # ... then shard
+    n_tok = (lab_loc != IGNORE).sum().to(torch.float32)
+    dist.all_reduce(n_tok, group=group)                                     # global token count
+    return ids_loc, pos_loc, lab_loc, n_tok
+
+
+def ulysses_step(model, local_batch, group):
+    """One fwd+bwd of the hand-written side: local summed loss / global token count, grads summed
+    over sp by hand. Returns the global loss."""
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.distributed._tools.mem_tracker import MemTracker
+    ids_loc, pos_loc, lab_loc, n_tok = local_batch
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids_loc, position_ids=pos_loc).logits
+    loss = F.cross_entropy(logits.float().flatten(0, 1), lab_loc.flatten(),
+                           ignore_index=IGNORE, reduction="sum") / n_tok
+    loss.backward()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    return total
+
+
+def _job(rank, world, args):
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     import autosp
+    from autosp.memory import peak_bytes
     import deepspeed
     from tests.models import batch, llama_loss
 
     deepspeed.init_distributed(dist_backend="gloo")
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
     sp = mesh.get_group("sp")
-    sp_rank, sp_size = dist.get_rank(sp), dist.get_world_size(sp)
 
     ids, labels = batch(args.batch, args.seq, args.vocab, seed=0)           # global, identical on all ranks
 
     # ---- A: autosp on the plain single-device loss
     model_a = build_model(args, "sdpa", **({"use_cache": False} if args.no_cache else {}))
     params = {k: v.detach().clone().requires_grad_(True) for k, v in model_a.named_parameters()}
-    # shard + backward (not value_and_grad): MemTracker's module hooks break torch.autograd.grad on leaves
-    step_a_fn = autosp.shard(llama_loss(model_a), mesh)
+    step_a_fn = autosp.shard(llama_loss(model_a), mesh, memory_budget=args.memory_budget)
 
     def step_a():
         for p in params.values():
@@ -101,28 +135,10 @@ def _job(rank, world, args):
     register_ulysses_attention(sp)
     model_b = build_model(args, ATTN_NAME)
     model_b.load_state_dict(model_a.state_dict())
-    s = args.seq
-    assert s % sp_size == 0, "the hand-written side needs seq divisible by sp"
-    s_loc = s // sp_size
-    lo, hi = sp_rank * s_loc, (sp_rank + 1) * s_loc
-    ids_loc = ids[:, lo:hi].contiguous()                                    # shard the ids
-    pos_loc = torch.arange(lo, hi).unsqueeze(0).expand(ids.size(0), -1)     # offset positions
-    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)  # shift globally
-    lab_loc = shifted[:, lo:hi].contiguous()                                # ... then shard
-    n_tok = (lab_loc != IGNORE).sum().to(torch.float32)
-    dist.all_reduce(n_tok, group=sp)                                        # global token count
+    local_batch = ulysses_batch(ids, labels, sp)
 
     def step_b():
-        model_b.zero_grad(set_to_none=True)
-        logits = model_b(input_ids=ids_loc, position_ids=pos_loc).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), lab_loc.flatten(),
-                               ignore_index=IGNORE, reduction="sum") / n_tok
-        loss.backward()
-        for p in model_b.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=sp)
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=sp)
+        total = ulysses_step(model_b, local_batch, sp)
         return total, {k: p.grad for k, p in model_b.named_parameters()}
 
     # ---- first step: agreement (also warms up / compiles autosp)
@@ -148,21 +164,14 @@ def _job(rank, world, args):
             times[side].append(time.perf_counter() - t0)
             del out
 
-    # ---- peak memory of one step per side (params, grads, activations, temporaries)
+    # ---- peak memory of one step per side: bytes allocated on top of what was live before it
+    # (activations, temporaries, collective buffers, grads), from the profiler's allocation events
     def peak(side):
         model_b.zero_grad(set_to_none=True)
         for p in params.values():
             p.grad = None
-        mt = MemTracker()
-        if side == "A":
-            mt.track_external(*params.values(), ids, labels)
-        else:
-            mt.track_external(model_b, ids_loc, pos_loc, lab_loc)
-        with mt:
-            out = fns[side]()
-            del out
-        snap = mt.get_tracker_snapshot("peak")
-        return max(d.get("Total", 0) for d in snap.values())
+        dist.barrier(sp)
+        return peak_bytes(lambda: fns[side]() and None)[0]
 
     mem = {"A": peak("A"), "B": peak("B")}
 
@@ -183,6 +192,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--sp", type=int, default=2)
     ap.add_argument("--no-cache", action="store_true", help="autosp's model with use_cache=False (explicit mask)")
+    ap.add_argument("--memory-budget", type=float, default=None, help="autosp's memory_budget (fraction)")
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args(argv)
     if args.intermediate is None:
@@ -212,7 +222,7 @@ def main(argv=None):
           f"{med['A'] / med['B']:.3f} |")
     for r in res:
         ma, mb = r["mem"]["A"] / 2**20, r["mem"]["B"] / 2**20
-        print(f"| peak memory rank {r['rank']} (MiB, MemTracker) | {ma:.1f} | {mb:.1f} | {ma / mb:.3f} |")
+        print(f"| peak memory rank {r['rank']} (MiB, step allocations) | {ma:.1f} | {mb:.1f} | {ma / mb:.3f} |")
     print(f"\nstep times A: {', '.join(f'{t:.5f}' for t in r0['times']['A'])}")
     print(f"step times B: {', '.join(f'{t:.5f}' for t in r0['times']['B'])}")
     print(f"total wall {wall:.0f}s")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import traceback
 
@@ -55,3 +56,61 @@ def run_ranks(fn, world: int, *args, timeout: float = 300):
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+def _pool_worker(rank, world, port, inbox, outbox):
+    import torch
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        while (job := inbox.get()) is not None:
+            fn, args = job
+            try:
+                outbox.put((rank, "ok", fn(rank, world, *args)))
+            except BaseException:  # noqa: BLE001 - report everything to the parent
+                outbox.put((rank, "error", traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class RankPool:
+    """`world` gloo processes kept alive across calls: `pool.run(fn, *args)` is run_ranks without
+    the start-up (one process spawn and import per rank), for tests that run many small jobs."""
+
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        self.world, self.outbox = world, ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(world)]
+        port = _free_port()
+        self.procs = [ctx.Process(target=_pool_worker, args=(r, world, port, self.inboxes[r], self.outbox))
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, *args, timeout: float = 300):
+        for box in self.inboxes:
+            box.put((fn, args))
+        results, errors = {}, []
+        try:
+            for _ in range(self.world):
+                rank, status, out = self.outbox.get(timeout=timeout)
+                if status != "ok":
+                    errors.append(f"rank {rank}:\n{out}")
+                    break
+                results[rank] = out
+        except queue.Empty:
+            errors.append(f"no answer from ranks {sorted(set(range(self.world)) - set(results))} in {timeout} s")
+        if errors:                      # the other ranks may wait in a collective: the pool is spent
+            self.close(kill=True)
+            raise AssertionError("\n".join(errors))
+        return [results[r] for r in range(self.world)]
+
+    def close(self, kill: bool = False):
+        for box in self.inboxes:
+            box.put(None)
+        for p in self.procs:
+            p.join(timeout=0 if kill else 30)
+            if p.is_alive():
+                p.kill()

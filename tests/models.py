@@ -115,3 +115,22 @@ def batch(b, s, vocab, seed=0, pad=0):
         labels[-1, s - pad:] = -100
         ids[-1, s - pad:] = 0
     return ids, labels
+
+
+# ---------------------------------------------------------------- the single-device oracle
+
+RTOL = 1e-5
+
+
+def assert_close(got, want, what):
+    """Relative to the reference's largest entry: fp32 sums in another order stay within RTOL."""
+    err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+    assert err <= RTOL, f"{what}: relative error {err:.2e} > {RTOL}"
+
+
+def reference(fn, params, *args):
+    """(loss, grads) of the single-device run; a parameter the loss does not reach gets a zero grad."""
+    p = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    loss = fn(p, *args)
+    grads = torch.autograd.grad(loss, list(p.values()), allow_unused=True)
+    return loss.detach(), {k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(p.items(), grads)}

@@ -3,20 +3,7 @@ import pytest
 import torch
 
 from tests.dist import run_ranks
-
-RTOL = 1e-5
-
-
-def _close(got, want, what):
-    err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
-    assert err <= RTOL, f"{what}: relative error {err:.2e} > {RTOL}"
-
-
-def _reference(fn, params, *args):
-    p = {k: v.clone().requires_grad_(True) for k, v in params.items()}
-    loss = fn(p, *args)
-    grads = torch.autograd.grad(loss, list(p.values()), allow_unused=True)
-    return loss.detach(), {k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(p.items(), grads)}
+from tests.models import assert_close as _close, reference as _reference
 
 
 def _case(which, s, seed, **extra):

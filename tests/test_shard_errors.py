@@ -41,7 +41,10 @@ def _messages(rank, world):
     capture("label_shape", lambda: autosp.shard(fn, sp)(params, ids, labels[:, :-2]))
     g = torch.Generator().manual_seed(0)             # the same global values on every rank
     w, x = torch.randn(8, 8, generator=g), torch.randn(2, 16, 8, generator=g)
-    capture("no_rule", lambda: autosp.shard(_attn_then(lambda a: a.sort(dim=1).values.sum()), sp)(w, x))
+    capture("no_rule", lambda: autosp.shard(_attn_then(lambda a: a.cummax(dim=1).values.sum()), sp)(w, x))
+    # sorting along the sequence has a rule: the exact gather
+    by_pos = _attn_then(lambda a: (a.sort(dim=1).values * torch.arange(16.0).view(1, 16, 1)).sum())
+    out["sort_value"] = (autosp.shard(by_pos, sp)(w, x).item(), by_pos(w, x).item())
     odd = tiny_llama(heads=3, kv_heads=3, hidden=24)
     capture("heads", lambda: autosp.shard(llama_loss(odd), sp)(params_of(odd), ids, labels))
     capture("no_attention", lambda: autosp.shard(lambda w, x: (x @ w).sum(), sp)(w, x))
@@ -61,7 +64,10 @@ def test_error_messages():
     assert "passed different values for argument [1]" in m["values_differ"] and "Fix" in m["values_differ"]
     assert "could not trace" in m["label_shape"] and "loss_utils.py" in m["label_shape"] and "Fix" in m["label_shape"]
     nr = m["no_rule"]
-    assert "sort" in nr and "test_shard_errors.py" in nr and "(sp s)" in nr and "sp=2" in nr and "Fix" in nr
+    assert "cummax" in nr and "mixes positions" in nr and "test_shard_errors.py" in nr and "(sp s)" in nr \
+        and "sp=2" in nr and "Fix" in nr
+    got, want = m["sort_value"]
+    assert abs(got - want) <= 1e-5 * abs(want)
     assert "3 query heads cannot be split over sp=2" in m["heads"] and "Fix" in m["heads"]
     assert "no attention" in m["no_attention"] and "in_specs" in m["no_attention"]
     assert "layout spec 'b (s d'" in m["bad_spec"]

@@ -22,6 +22,7 @@ class Role(enum.Enum):
     INPUT = "input"        # a graph input the caller passes (batch values)
     PARAM = "param"        # a graph input that is differentiated (requires_grad)
     CONST = "const"        # a tensor captured from the function's closure (buffers)
+    TANGENT = "tangent"    # a joint graph's input: the gradient seed of a forward output
     VALUE = "value"        # produced by an equation
 
 

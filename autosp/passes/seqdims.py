@@ -212,6 +212,118 @@ def links_reduce(e: Eqn) -> list[Link]:
     return [dim_link(x, out, m)]
 
 
+def links_stack(e: Eqn) -> list[Link]:
+    """stack: every input's dims keep their meaning around the new dim."""
+    out = e.outputs[0]
+    d = _norm_dim(_arg(e, 1, "dim", 0), out.ndim)
+    return [dim_link(x, out, {i: (i if i < d else i + 1) for i in range(x.ndim)}) for x in e.inputs]
+
+
+def links_leading(e: Eqn) -> list[Link]:
+    """view_as_complex / view_as_real: the leading dims are the same dims (the last pair is the number)."""
+    x, out = e.inputs[0], e.outputs[0]
+    n = min(x.ndim, out.ndim)
+    return [dim_link(x, out, {i: i for i in range(n)})]
+
+
+def links_keep_dims(e: Eqn) -> list[Link]:
+    """topk / sort / argsort / kthvalue: every output indexes the input's positions along the other dims."""
+    x = e.inputs[0]
+    d = _norm_dim(_arg(e, 2 if e.op.name in ("topk", "kthvalue") else 1, "dim", -1), x.ndim)
+    res = []
+    for out in e.outputs:
+        if out.ndim == x.ndim:
+            res.append(dim_link(x, out, {i: i for i in range(x.ndim) if i != d}))
+        elif out.ndim == x.ndim - 1:
+            res.append(dim_link(x, out, {i: (i if i < d else i - 1) for i in range(x.ndim) if i != d}))
+    return res
+
+
+def links_addmm(e: Eqn) -> list[Link]:
+    """addmm(bias, a, b) / baddbmm: a's rows are the output's rows; the bias broadcasts."""
+    bias, a, b = e.inputs[:3]
+    out = e.outputs[0]
+    res = [dim_link(a, out, {i: i for i in range(a.ndim - 1)}),
+           dim_link(b, out, {**{i: i for i in range(b.ndim - 2)}, b.ndim - 1: out.ndim - 1}),
+           dim_link(bias, out, _aligned(bias, out))]
+    return res
+
+
+def links_einsum(e: Eqn) -> list[Link]:
+    """einsum: a letter kept in the output is the same dim in every operand that has it."""
+    eq = _arg(e, 0, "equation")
+    if not isinstance(eq, str) or "..." in eq or "->" not in eq:
+        return []
+    ins, out_letters = eq.replace(" ", "").split("->")
+    out = e.outputs[0]
+    res = []
+    for x, letters in zip(e.inputs, ins.split(",")):
+        res.append(dim_link(x, out, {i: out_letters.index(c) for i, c in enumerate(letters) if c in out_letters}))
+    return res
+
+
+def links_scatter(e: Eqn) -> list[Link]:
+    """slice_scatter / select_scatter: the base is the output; the source fills a window of one dim."""
+    base, src = e.inputs[0], e.inputs[1]
+    out = e.outputs[0]
+    d = _norm_dim(_arg(e, 2, "dim", 0), out.ndim)
+    if e.op.name == "select_scatter":
+        m = {i: (i if i < d else i + 1) for i in range(src.ndim)}
+    else:
+        m = {i: i for i in range(src.ndim) if i != d}
+    return [dim_link(base, out, {i: i for i in range(base.ndim)}), dim_link(src, out, m)]
+
+
+def links_repeat_interleave(e: Eqn) -> list[Link]:
+    """repeat_interleave(x, r: int, dim): each position of `dim` repeated r times in place, so a sequence
+    there stays a sequence with an inner factor r; the other dims keep their meaning."""
+    x, out = e.inputs[0], e.outputs[0]
+    args, kwargs = e.var_args()
+    r = args[1] if len(args) > 1 else kwargs.get("repeats")
+    d = args[2] if len(args) > 2 else kwargs.get("dim")
+    if not isinstance(r, int) or d is None or x.ndim != out.ndim:
+        return links_same(e)
+    d = _norm_dim(d, x.ndim)
+
+    def fwd(p: SeqPos):
+        return SeqPos(p.dim, p.outer, p.inner * r) if p.dim == d else p
+
+    def bwd(p: SeqPos):
+        if p.dim != d:
+            return p
+        return SeqPos(p.dim, p.outer, p.inner // r) if p.inner % r == 0 else None
+    return [(x, out, fwd, bwd)]
+
+
+def links_index_tensor(e: Eqn) -> list[Link]:
+    """x[..., idx, ...] with one index tensor (or one adjacent block): the dims before it keep their place,
+    the index's dims take its place, the dims after it follow."""
+    x, out = e.inputs[0], e.outputs[0]
+    args, _ = e.var_args()
+    indices = list(args[1]) if len(args) > 1 else []
+    where = [i for i, t in enumerate(indices) if t is not None]
+    if not where or where != list(range(where[0], where[-1] + 1)):
+        return []
+    first, idx = where[0], [indices[i] for i in where]
+    n_idx = max(t.ndim for t in idx)
+    m = {i: i for i in range(first)}
+    m.update({i: i - len(where) + n_idx for i in range(first + len(where), x.ndim)})
+    res = [dim_link(x, out, m)]
+    for t in idx:
+        if t.ndim == n_idx:
+            res.append(dim_link(t, out, {i: first + i for i in range(t.ndim)}))
+    return res
+
+
+def links_scatter_dim(e: Eqn) -> list[Link]:
+    """scatter / scatter_add / index_add (self, dim, index, src): every dim but `dim` indexes the same
+    positions in self, index, src and the output."""
+    out = e.outputs[0]
+    d = _norm_dim(_arg(e, 1, "dim", 0), out.ndim)
+    return [dim_link(x, out, {i: i for i in range(x.ndim) if i != d or x is e.inputs[0]})
+            for x in e.inputs if x.ndim == out.ndim]
+
+
 _SAME_NAMES = {"contiguous", "alias", "clone", "detach", "lift_fresh_copy", "to.dtype", "to.device",
                "to.dtype_layout", "to.other", "_to_copy.default", "type_as.default", "detach_.default",
                "dropout", "native_dropout", "expand", "expand_as", "slice", "narrow", "pad", "roll",
@@ -232,9 +344,15 @@ LINK_RULES: dict[str, Callable[[Eqn], list[Link]]] = {
     "sum": links_reduce, "mean": links_reduce, "amax": links_reduce, "amin": links_reduce,
     "logsumexp": links_reduce, "prod": links_reduce, "any": links_reduce, "all": links_reduce,
     "var": links_reduce, "std": links_reduce,
+    "stack": links_stack, "view_as_complex": links_leading, "view_as_real": links_leading,
+    "topk": links_keep_dims, "sort": links_keep_dims, "argsort": links_keep_dims, "kthvalue": links_keep_dims,
+    "addmm": links_addmm, "einsum": links_einsum, "slice_scatter": links_scatter, "select_scatter": links_scatter,
+    "scatter": links_scatter_dim, "scatter_add": links_scatter_dim, "index_add": links_scatter_dim,
+    "index": links_index_tensor, "gather": links_scatter_dim,
 }
 for _n in _SAME_NAMES:
     LINK_RULES[_n] = links_index if _n in {"slice", "narrow", "pad", "cumsum", "roll", "flip"} else links_same
+LINK_RULES["repeat_interleave"] = links_repeat_interleave
 
 
 def links_for(e: Eqn) -> list[Link]:
@@ -243,18 +361,31 @@ def links_for(e: Eqn) -> list[Link]:
     rule = LINK_RULES.get(e.op.name)
     if rule is None and e.op.has(Tag.ELEMENTWISE):
         rule = links_same
-    return rule(e) if rule is not None else []
+    if rule is None:                    # no rule names this op: ask the op itself (probe.py)
+        from autosp.passes.probe import shape_links
+        return [dim_link(x, out, {d: k}) for x, d, out, k in shape_links(e)]
+    return rule(e)
 
 
-def infer_seq_positions(graph: Graph, seeds: dict[str, SeqPos] | None = None) -> dict[str, SeqPos]:
-    """Var name -> where its sequence is. Seeds: attention's Q/K/V/out, plus user specs."""
+def infer_seq_positions(graph: Graph, seeds: dict[str, SeqPos] | None = None, regions=()) -> dict[str, SeqPos]:
+    """Var name -> where its sequence is. Seeds: attention's Q/K/V/out (SDPA and head-parallel regions,
+    whose inner [.., L, L] values hold two sequences and link nothing), plus user specs."""
     pos: dict[str, SeqPos] = dict(seeds or {})
     for e in graph.eqns:
         if e.op.name == "attention" and e.op.target is not None:
             for v in (*e.inputs[:3], e.outputs[0]):
                 pos.setdefault(v.name, SeqPos(v.ndim - 2))
+    var = {v.name: v for v in graph.inputs}
+    var.update({o.name: o for e in graph.eqns for o in e.outputs})
+    inside: set[int] = set()
+    for r in regions:
+        inside |= r.eqns
+        for name in (r.q, r.k, r.v, r.out):
+            pos.setdefault(name, SeqPos(var[name].ndim - 2))
     adj: dict[str, list[tuple[Var, Map]]] = defaultdict(list)
-    for e in graph.eqns:
+    for k, e in enumerate(graph.eqns):
+        if k in inside:
+            continue
         for a, b, fwd, bwd in links_for(e):
             adj[a.name].append((b, fwd))
             adj[b.name].append((a, bwd))
@@ -273,9 +404,13 @@ def infer_seq_positions(graph: Graph, seeds: dict[str, SeqPos] | None = None) ->
     return pos
 
 
-def attention_length(graph: Graph) -> int:
+def attention_length(graph: Graph, regions=()) -> int:
     """The sequence length attention sees (the same for every attention op, else an error)."""
     lengths = {}
+    var = {o.name: o for e in graph.eqns for o in e.outputs}
+    var.update({v.name: v for v in graph.inputs})
+    for r in regions:
+        lengths[var[r.q].shape[-2]] = r
     for e in graph.eqns:
         if e.op.name == "attention":
             q, k = e.inputs[0], e.inputs[1]

@@ -20,17 +20,38 @@ from autosp.ir.ops import Tag
 from autosp.passes.dce import dce
 from autosp.passes.seqdims import SeqPos, attention_length, infer_seq_positions
 from autosp.passes.shard_ctx import MeshInfo, ShardCtx
-from autosp.passes.shard_rules import rule_for
+from autosp.passes.regions import find_regions
+from autosp.passes.shard_rules import region_rule, replicate, rule_for
 
 aten = torch.ops.aten
 
 
+_WRITES = {"slice_scatter", "select_scatter", "copy.default", "index_put", "scatter", "scatter_add", "index_add"}
+
+
 def activations(graph: Graph) -> set[str]:
-    """Names of values that depend on a floating-point graph input (parameters, embeddings)."""
+    """Names of values that depend on a floating-point graph input (parameters, embeddings); a fresh
+    buffer (new_zeros, ...) that an activation is written into counts as one (its layout is the
+    activation's), and so do the views it was written through."""
     heavy = {v.name for v in graph.inputs if v.dtype is not None and v.dtype.is_floating_point}
-    for e in graph.eqns:
-        if any(x.name in heavy for x in e.inputs):
+    producer = {o.name: e for e in graph.eqns for o in e.outputs}
+    size = -1
+    while size != len(heavy):                      # a base marked late makes its later views activations too
+        size = len(heavy)
+        for e in graph.eqns:
+            if not any(x.name in heavy for x in e.inputs):
+                continue
             heavy.update(o.name for o in e.outputs)
+            if e.op.name in _WRITES:
+                stack = [e.inputs[0]]
+                while stack:                       # the base and the chain it came from, back to its creation
+                    v = stack.pop()
+                    if v.name in heavy:
+                        continue
+                    heavy.add(v.name)
+                    p = producer.get(v.name)
+                    if p is not None and (p.op.has(Tag.VIEW) or p.op.name in _WRITES) and p.inputs:
+                        stack.append(p.inputs[0])
     return heavy
 
 
@@ -41,6 +62,14 @@ def input_free(graph: Graph) -> set[str]:
         if e.outputs and not e.op.has(Tag.RANDOM) and all(x.name in free for x in e.inputs):
             free.update(o.name for o in e.outputs)
     return free
+
+
+def _replicated_is_at_hand(ctx: ShardCtx, e) -> bool:
+    """No activation in or out, some input sharded, and every sharded input's replicated value known."""
+    if any(x.name in ctx.heavy for x in e.inputs) or any(ctx.wants_shard(o) for o in e.outputs):
+        return False
+    sharded = [x for x in e.inputs if ctx.env[x.name].layout is not None]
+    return bool(sharded) and all(x.name in ctx.rep for x in sharded)
 
 
 def spec_seeds(graph: Graph, in_specs) -> dict[str, SeqPos | None]:
@@ -59,7 +88,8 @@ def spec_seeds(graph: Graph, in_specs) -> dict[str, SeqPos | None]:
 def shard_graph(graph: Graph, mesh: MeshInfo, *, in_specs=None, keep_sharded=()) -> Graph:
     """Rewrite a global forward graph into the per-rank graph (local shapes, collectives)."""
     seeds = spec_seeds(graph, in_specs)
-    length = attention_length(graph)
+    regions = find_regions(graph)
+    length = attention_length(graph, regions)
     if not length:
         lengths = {v.shape[p.dim] for v in graph.inputs if (p := seeds.get(v.name)) is not None}
         if not lengths:
@@ -68,7 +98,7 @@ def shard_graph(graph: Graph, mesh: MeshInfo, *, in_specs=None, keep_sharded=())
                 "sequence dim from. Fix: pass in_specs, e.g. in_specs=(None, 'b s') for (params, input_ids).")
         length = max(lengths)
     blocked = {n for n, p in seeds.items() if p is None}
-    pos = infer_seq_positions(graph, {n: p for n, p in seeds.items() if p is not None})
+    pos = infer_seq_positions(graph, {n: p for n, p in seeds.items() if p is not None}, regions)
     for n in blocked:
         pos.pop(n, None)
     chunk = -(-length // mesh.sp_size)
@@ -95,8 +125,18 @@ def shard_graph(graph: Graph, mesh: MeshInfo, *, in_specs=None, keep_sharded=())
             ctx.rep[v.name] = ctx.env[v.name]
             ctx.env[v.name] = ctx.shard(ctx.env[v.name], v)
 
-    for e in graph.eqns:
+    in_region = {k: r for r in regions for k in r.eqns}
+    for k, e in enumerate(graph.eqns):
         try:
+            if k in in_region:
+                if k == in_region[k].last:           # emitted whole, where all its inputs exist
+                    region_rule(ctx, graph, in_region[k])
+                continue
+            if _replicated_is_at_hand(ctx, e):
+                # index work on small replicated values (positions, masks) stays replicated and exact,
+                # even where an earlier consumer already moved a shard up their chain
+                replicate(ctx, e, [ctx.rep.get(x.name, ctx.env[x.name]) for x in e.inputs])
+                continue
             rule_for(e)(ctx, e)
         except ShardError:
             raise

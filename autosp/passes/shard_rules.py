@@ -146,9 +146,10 @@ def slice_rule(ctx: ShardCtx, e: Eqn) -> None:
         start, end, step = b["start"] or 0, b["end"], b["step"] or 1
         end = glen if end is None or end >= INT64_MAX else end
     start, end = _norm(start, glen), min(_norm(end, glen), glen)
-    if step != 1 or start != 0 or lay.outer != 1 or lay.inner != 1:
-        return gather_fallback(ctx, e)
     out = e.outputs[0]
+    if step != 1 or start != 0 or lay.outer != 1 or lay.inner != 1 or out.name not in ctx.pos:
+        # an offset, a stride, a merged dim, or what is left is no sequence (one position): exact fallback
+        return gather_fallback(ctx, e)
     new_lay = Layout(lay.dim, min(lay.length, end), lay.chunk, lay.outer, lay.inner)
     ctx.env[out.name] = ctx.emit(aten.alias.default, (x,), source=e.source, layouts=[new_lay])
 
@@ -314,6 +315,60 @@ def attention_rule(ctx: ShardCtx, e: Eqn) -> None:
     ctx.env[e.outputs[0].name] = o
 
 
+def region_rule(ctx: ShardCtx, graph, region) -> None:
+    """Attention written out (scores, softcap, mask, softmax, probs @ v): Ulysses around the whole
+    region. q, k and v go to `b (sp h) s d` in one all-to-all (padding dropped: inside, the sequence
+    is exactly L), the region's equations run on h/P heads over the full sequence, the output comes
+    back to `b h (sp s) d` in one all-to-all. Values from outside the region (masks, biases) are read
+    whole, cut to this rank's heads where they have a head dim."""
+    var = {o.name: o for e in graph.eqns for o in e.outputs}
+    var.update({v.name: v for v in graph.inputs})
+    eqns = [graph.eqns[k] for k in sorted(region.eqns)]
+    last = graph.eqns[region.last]
+    where = last.source
+    q_old, k_old, v_old = var[region.q], var[region.k], var[region.v]
+    q, k, v = (ctx.as_sharded(t, where) for t in (q_old, k_old, v_old))
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.layout is None or t.layout.dim != t.ndim - 2:
+            raise ShardError(f"attention written out at {where}: the {name} {t.type_str()} is not sharded along its "
+                             "sequence dim (-2). Fix: pass in_specs naming the sequence dim of the inputs.")
+    p = ctx.mesh.sp_size
+    hdim = q.ndim - 3
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.shape[hdim] % p:
+            raise ShardError(f"attention written out at {where}: {t.shape[hdim]} {name} heads cannot be split over "
+                             f"sp={p} (Ulysses gives each rank heads/sp heads). Fix: use an sp size that divides "
+                             f"{t.shape[hdim]}, or repeat the key/value heads to a multiple of {p}.")
+    length = q_old.shape[-2]
+    q2, k2, v2 = ctx.emit(C.all_to_all, ([q, k, v], hdim, hdim + 1, ctx.mesh.sp_group), source=where)
+    if q2.shape[-2] != length:                          # padded chunks: inside, exactly L positions
+        q2, k2, v2 = (ctx.emit(aten.narrow.default, (t, t.ndim - 2, 0, length), source=where) for t in (q2, k2, v2))
+    local = {region.q: q2, region.k: k2, region.v: v2}
+    heads = q_old.shape[hdim]
+
+    def outside(x: Var) -> Var:
+        new = ctx.as_replicated(x, where)
+        d = new.ndim - (q_old.ndim - hdim)              # the head dim, aligned from the right
+        if 0 <= d and new.ndim >= q_old.ndim - hdim and new.shape[d] == heads and heads > 1:
+            new = ctx.emit(C.shard_slice, (new, d, 1, heads // p, 1, ctx.mesh.sp_group), source=where)
+        return new
+
+    for e in eqns:
+        ins = [local[x.name] if x.name in local else outside(x) for x in e.inputs]
+        args, kwargs = e.bind(ins)
+        outs = ctx.emit(e.op.target, args, kwargs, source=e.source)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        for o, n in zip(e.outputs, outs):
+            local[o.name] = n
+    out = local[region.out]
+    padded = q.layout.chunk * p
+    if padded != length:                                # back to whole chunks for the all-to-all
+        out = ctx.emit(aten.constant_pad_nd.default, (out, [0, 0, 0, padded - length]), source=where)
+    (o,) = ctx.emit(C.all_to_all, ([out], hdim + 1, hdim, ctx.mesh.sp_group), source=where,
+                    layouts=[Layout(out.ndim - 2, length, q.layout.chunk)])
+    ctx.env[region.out] = o
+
+
 def unrepeated_kv(ctx: ShardCtx, kv: Var) -> tuple[Var, int] | None:
     """(x, n) when kv = reshape(expand(unsqueeze(x, -3), [.., h, n, s, d]), [.., h * n, s, d])."""
     e1 = ctx.producer.get(kv.name)
@@ -351,11 +406,128 @@ def is_causal_mask(mask) -> bool:
     return bool((allowed == tril).all())
 
 
+def addmm_rule(ctx: ShardCtx, e: Eqn) -> None:
+    """addmm(bias, a, b) / baddbmm: rows of `a` position-wise; the sequence contracted in `b`: fall back."""
+    bias, a, b = (ctx.env[x.name] for x in e.inputs[:3])
+    if (b.layout is not None and b.layout.dim >= b.ndim - 2) or (a.layout is not None and a.layout.dim == a.ndim - 1):
+        return gather_fallback(ctx, e)
+    positionwise(ctx, e)
+
+
+def einsum_rule(ctx: ShardCtx, e: Eqn) -> None:
+    """einsum: position-wise when the sequence letter survives to the output in every operand that has it."""
+    args, _ = e.var_args()
+    eq = args[0] if args else None
+    if not isinstance(eq, str) or "->" not in eq or "..." in eq:
+        return gather_fallback(ctx, e)
+    ins, out = eq.replace(" ", "").split("->")
+    for x, letters in zip(e.inputs, ins.split(",")):
+        lay = ctx.env[x.name].layout
+        if lay is not None and letters[lay.dim] not in out:
+            return gather_fallback(ctx, e)
+    positionwise(ctx, e)
+
+
+def scatter_rule(ctx: ShardCtx, e: Eqn) -> None:
+    """slice_scatter / select_scatter: position-wise unless the window is along the sequence."""
+    base = ctx.env[e.inputs[0].name]
+    out = e.outputs[0]
+    d = bind_schema(e).get("dim", 0)
+    p = ctx.pos.get(out.name)
+    if p is not None and _norm(d, out.ndim) == p.dim:
+        return gather_fallback(ctx, e)
+    if base.layout is None and ctx.wants_shard(out):
+        ctx.env[e.inputs[0].name] = ctx.as_sharded(e.inputs[0], e.source)
+    positionwise(ctx, e)
+
+
+def repeat_interleave_rule(ctx: ShardCtx, e: Eqn) -> None:
+    """repeat_interleave(x, r: int, dim) along the sequence: each rank repeats its own positions (the
+    layout gains an inner factor r); a tensor of repeats falls back."""
+    x = ctx.env[e.inputs[0].name]
+    b = bind_schema(e)
+    if x.layout is None or b.get("dim") is None or _norm(b["dim"], x.ndim) != x.layout.dim:
+        return seq_dim_arg("dim")(ctx, e)
+    if not isinstance(b.get("repeats"), int) or e.outputs[0].name not in ctx.pos:
+        return gather_fallback(ctx, e)
+    positionwise(ctx, e)
+
+
+def index_rule(ctx: ShardCtx, e: Eqn) -> None:
+    """x[idx]: an index tensor that carries the sequence into a replicated table (expert weights
+    gathered per token) is position-wise, so is a sharded x indexed along other dims; else fall back."""
+    b = bind_schema(e)
+    x = ctx.env[e.inputs[0].name]
+    idx_old = [t for t in (b.get("indices") or []) if isinstance(t, Var)]
+    idx = [ctx.env[t.name] for t in idx_old]
+    out = e.outputs[0]
+    if out.name not in ctx.pos:
+        return gather_fallback(ctx, e)
+    links_ok = any(t.name in ctx.pos for t in idx_old) and x.layout is None
+    if x.layout is not None:
+        indices = list(b.get("indices") or [])
+        first = next((i for i, t in enumerate(indices) if t is not None), None)
+        links_ok = first is not None and x.layout.dim < first and all(t.layout is None for t in idx)
+    if not links_ok:
+        return gather_fallback(ctx, e)
+    positionwise(ctx, e, force=True)
+
+
+def histc_rule(ctx: ShardCtx, e: Eqn) -> None:
+    """histc over a sharded value: each rank counts its valid positions, one all-reduce sums the counts.
+    Padding is moved below `min`, which histc ignores; an automatic range (min == max) falls back."""
+    x = ctx.env[e.inputs[0].name]
+    if x.layout is None:
+        return positionwise(ctx, e)
+    b = bind_schema(e)
+    lo, hi = float(b["min"]), float(b["max"])
+    if not lo < hi:
+        return gather_fallback(ctx, e)
+    mask = ctx.valid_mask(x)
+    if mask is not None:
+        x = ctx.emit(aten.where.ScalarOther, (mask, x, lo - 1.0), source=e.source)
+    part = ctx.emit(aten.histc.default, (x, b["bins"], lo, hi), source=e.source)
+    ctx.env[e.outputs[0].name] = ctx.emit(C.all_reduce_sum, (part, ctx.mesh.sp_group), source=e.source)
+
+
+def creation_rule(ctx: ShardCtx, e: Eqn) -> None:
+    """new_zeros / new_empty / zeros / full ...: a constant fill; where it holds an activation's sequence
+    (it is written into), it is made at the local size, else replicated."""
+    out = e.outputs[0]
+    b = bind_schema(e)
+    if not ctx.wants_shard(out) or "size" not in b:
+        return replicate(ctx, e)
+    lay = ctx.layout_for(out)
+    args, kwargs = e.bind([ctx.env[x.name] for x in e.inputs])
+    names = [a.name for a in e.op.target._schema.arguments]
+    k = names.index("size")
+    size = list(lay.local_shape(out.shape))
+    if k < len(args):
+        args = args[:k] + (size,) + args[k + 1:]
+    else:
+        kwargs = {**kwargs, "size": size}
+    ctx.env[out.name] = ctx.emit(e.op.target, args, kwargs, source=e.source, layouts=[lay])
+
+
 def no_rule(ctx: ShardCtx, e: Eqn) -> None:
+    """No rule names this op: probe it (probe.py). Position-wise along the sequence -> it runs on the
+    chunk; mixing positions -> an error that says so; unprobeable -> an error naming the missing rule."""
     if not _sharded_inputs(ctx, e) and not any(ctx.wants_shard(o) for o in e.outputs):
         return replicate(ctx, e)
-    raise ShardError(f"{describe(ctx, e)}: autosp has no sharding rule for this op on a sharded sequence. "
-                     "Fix: write it with position-wise ops, or pass in_specs that leave its inputs replicated.")
+    from autosp.passes.probe import is_positionwise, probeable
+    seq = {i: ctx.pos[x.name] for i, x in enumerate(e.inputs) if x.name in ctx.pos}
+    out = {j: ctx.pos[o.name] for j, o in enumerate(e.outputs) if o.name in ctx.pos}
+    simple = all(p.outer == 1 and p.inner == 1 for p in list(seq.values()) + list(out.values()))
+    if not probeable(e) or not simple or not out:
+        raise ShardError(f"{describe(ctx, e)}: autosp has no sharding rule for `{e.op.name}` and cannot derive one "
+                         "(it takes size arguments, or the sequence does not come out of it as one dim). "
+                         "Fix: file the op with autosp, or pass in_specs that leave its inputs replicated.")
+    if is_positionwise(e, {i: p.dim for i, p in seq.items()}, {j: p.dim for j, p in out.items()}):
+        return positionwise(ctx, e, force=True)
+    raise ShardError(f"{describe(ctx, e)}: `{e.op.name}` mixes positions along the sequence (run on the first "
+                     "positions alone it gives other values), so each rank cannot compute its part alone, and "
+                     "autosp has no collective for it. Fix: compute it on a value without the sequence, or pass "
+                     "in_specs that leave its inputs replicated.")
 
 
 _POSITIONWISE_NAMES = {
@@ -377,10 +549,15 @@ RULES.update({
     "softmax": seq_dim_arg("dim"), "_softmax": seq_dim_arg("dim"), "log_softmax": seq_dim_arg("dim"),
     "_log_softmax": seq_dim_arg("dim"), "cumsum": seq_dim_arg("dim"), "split": seq_dim_arg("dim", 0),
     "split_with_sizes": seq_dim_arg("dim", 0), "chunk": seq_dim_arg("dim", 0), "unbind": seq_dim_arg("dim", 0),
-    "flip": seq_dim_arg("dims"), "roll": seq_dim_arg("dims"), "repeat_interleave": seq_dim_arg("dim"),
-    "tril": gather_fallback, "triu": gather_fallback, "index_select": gather_fallback, "gather": gather_fallback,
-    "index": gather_fallback, "layer_norm": layer_norm_rule, "native_layer_norm": layer_norm_rule,
-    "matmul": matmul_rule,
+    "flip": seq_dim_arg("dims"), "roll": seq_dim_arg("dims"), "repeat_interleave": repeat_interleave_rule,
+    "tril": gather_fallback, "triu": gather_fallback, "index_select": gather_fallback, "gather": seq_dim_arg("dim"),
+    "index": index_rule, "layer_norm": layer_norm_rule, "native_layer_norm": layer_norm_rule,
+    "matmul": matmul_rule, "addmm": addmm_rule, "einsum": einsum_rule,
+    "stack": positionwise, "view_as_complex": positionwise, "view_as_real": positionwise,
+    "topk": seq_dim_arg("dim", -1), "sort": seq_dim_arg("dim", -1), "argsort": seq_dim_arg("dim", -1),
+    "kthvalue": seq_dim_arg("dim", -1), "slice_scatter": scatter_rule, "select_scatter": scatter_rule,
+    "scatter": seq_dim_arg("dim"), "scatter_add": seq_dim_arg("dim"), "index_add": seq_dim_arg("dim"),
+    "histc": histc_rule, "new_empty": creation_rule, "new_zeros": creation_rule, "new_ones": creation_rule, "new_full": creation_rule,
 })
 
 

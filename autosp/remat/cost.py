@@ -1,0 +1,127 @@
+"""The cost model: seconds per equation on a device, from FLOPs, bytes moved and link bandwidths.
+
+FLOPs come from torch.utils.flop_counter's formulas (matmuls, convolutions, attention
+backends); autosp registers honest ones where torch has none (the CPU flash attention and
+its backward, with the causal half). An op without a formula is memory-bound: its bytes
+read and written over the device's memory bandwidth. Collectives cost their bytes over the
+link bandwidth plus a latency. Nothing here thresholds on sequence length: attention's s^2
+and the linears' s come out of the formulas, and so does sequence-awareness.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from autosp.ir.core import Eqn, Var
+from autosp.ir.ops import Tag
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    name: str
+    flops: float              # dense matmul FLOP/s at the working dtype
+    mem_bw: float             # bytes/s
+    link_bw: float            # bytes/s per rank for collectives
+    host_bw: float | None     # bytes/s to pinned host memory; None: no offload
+    launch: float = 5e-6      # seconds of overhead per op
+    latency: float = 2e-5     # seconds per collective
+
+
+# Rough figures: only ratios matter to the plan, and they are what a planner without a
+# profiler can know. `host_bandwidth=` / `device=` override them.
+DEVICES = {
+    "cpu": Device("cpu", flops=1e11, mem_bw=1e10, link_bw=2e9, host_bw=None, launch=2e-6, latency=5e-5),
+    "cuda": Device("cuda", flops=7e14, mem_bw=4e12, link_bw=3e11, host_bw=5e10, launch=5e-6, latency=2e-5),
+}
+
+
+def device_for(kind: str, host_bandwidth: float | None = None) -> Device:
+    base = DEVICES.get(kind, DEVICES["cuda"] if kind in ("cuda", "hip") else DEVICES["cpu"])
+    if host_bandwidth is not None:
+        from dataclasses import replace
+        base = replace(base, host_bw=float(host_bandwidth))
+    return base
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    flops: int
+    seconds: float
+
+
+def _meta(v):
+    if isinstance(v, Var):
+        if v.dtype is None:
+            return None
+        return torch.empty(v.shape, dtype=v.dtype, device="meta")
+    return v
+
+
+def flops(e: Eqn) -> int:
+    """FLOPs of one equation, from torch's flop counter registry (0 if it has no formula)."""
+    from torch.utils.flop_counter import flop_registry
+    _register_formulas()
+    target = e.op.target
+    packet = getattr(target, "overloadpacket", None)
+    f = flop_registry.get(packet)
+    if f is None:
+        return 0
+    args, kwargs = e.bind([_meta(x) for x in e.inputs])
+    outs = [_meta(o) for o in e.outputs]
+    out = tuple(outs) if e.multi else (outs[0] if outs else None)
+    try:
+        return int(f(*args, out_val=out, **kwargs))
+    except Exception:  # noqa: BLE001 - a formula that cannot read these arguments counts as memory-bound
+        return 0
+
+
+def _bytes(vs) -> int:
+    return sum(v.numel() * v.dtype.itemsize for v in vs if isinstance(v, Var) and v.dtype is not None)
+
+
+def eqn_cost(e: Eqn, device: Device) -> Cost:
+    if e.op.has(Tag.COLLECTIVE) or e.op.name in ("all_to_all", "all_reduce_sum", "all_gather_seq"):
+        moved = _bytes(e.outputs)
+        return Cost(0, device.latency + moved / device.link_bw)
+    f = flops(e)
+    moved = _bytes(e.inputs) + _bytes(e.outputs)
+    from autosp.remat.liveness import aliases
+    if all(a is not None for a in aliases(e)) and e.outputs:
+        return Cost(0, 0.0)                   # a view: free
+    return Cost(f, device.launch + max(f / device.flops, moved / device.mem_bw))
+
+
+_REGISTERED = []
+
+
+def _register_formulas() -> None:
+    """Attention backends torch's counter does not know: the CPU flash kernel and its backward."""
+    if _REGISTERED:
+        return
+    _REGISTERED.append(True)
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+    def attn(q, k, causal):
+        b = 1
+        for d in q[:-2]:
+            b *= d
+        sq, d = q[-2], q[-1]
+        skv, dv = k[-2], k[-1]
+        full = 2 * b * sq * skv * (d + dv)
+        if causal and sq == skv:
+            full = full * (sq + 1) // (2 * sq)
+        return full
+
+    fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if fwd is not None and fwd not in flop_registry:
+        @register_flop_formula(fwd)
+        def _cpu_fwd(q, k, v, dropout_p=0.0, is_causal=False, *args, out_shape=None, **kwargs) -> int:
+            return attn(q, k, is_causal)
+    bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if bwd is not None and bwd not in flop_registry:
+        @register_flop_formula(bwd)
+        def _cpu_bwd(gout, q, k, v, out, lse, dropout_p=0.0, is_causal=False, *args, out_shape=None, **kw) -> int:
+            return attn(q, k, is_causal) * 5 // 2      # 5 matmuls (QK^T recomputed) against the forward's 2

@@ -1,0 +1,200 @@
+"""The memory model: storage-aware liveness over a program's executed order, in bytes per rank.
+
+Each equation allocates its outputs' storages (views allocate nothing: they share their
+base's storage, from the op schema's alias annotations) plus a transient workspace while it
+runs (collective buffers, kernel scratch; `workspace`). A storage is freed after the last
+equation that reads any value living in it, as the lowered fx code does (`x = None` after a
+value's last use). Graph outputs and `keep` names stay alive to the end.
+
+`simulate` gives the bytes live after each equation and the peak during it; the remat
+planner uses the same rules to build its memory rows, and the plan's `peak_bytes` is this
+simulation of the rewritten forward and backward programs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from autosp.ir.core import Eqn, Graph, Var
+
+aten = torch.ops.aten
+_VIEW_LIKE = {"_unsafe_view"}                   # no alias annotation, but a view of its input
+
+
+def nbytes(v: Var) -> int:
+    if v.dtype is None:
+        return 0
+    return v.numel() * v.dtype.itemsize
+
+
+def aliases(e: Eqn) -> list[int | None]:
+    """For each output of `e`, the index of the input whose storage it shares (None: a new one)."""
+    hit = _ALIASES.get(id(e))
+    if hit is not None and hit[0] is e:
+        return hit[1]
+    out = _aliases(e)
+    if len(_ALIASES) > 200_000:
+        _ALIASES.clear()
+    _ALIASES[id(e)] = (e, out)
+    return out
+
+
+_ALIASES: dict[int, tuple[Eqn, list]] = {}     # id(eqn) -> (eqn, aliases): simulations ask again and again
+
+
+def _aliases(e: Eqn) -> list[int | None]:
+    target = e.op.target
+    n = len(e.outputs)
+    if e.op.name in _VIEW_LIKE or e.op.name.split(".")[0] in _VIEW_LIKE:
+        return [0] * n
+    schema = getattr(target, "_schema", None)
+    if schema is None or getattr(target, "namespace", None) == "autosp":
+        return [None] * n
+    # positions of tensor arguments among the equation's inputs, by schema argument
+    arg_sets = {}
+    args, kwargs = e.var_args()
+    for i, a in enumerate(schema.arguments):
+        val = args[i] if i < len(args) else kwargs.get(a.name)
+        if a.alias_info is not None and isinstance(val, Var):
+            for s in a.alias_info.before_set:
+                arg_sets.setdefault(s, e.inputs.index(val))
+    out: list[int | None] = []
+    rets = schema.returns
+    for k in range(n):
+        r = rets[min(k, len(rets) - 1)] if rets else None
+        hit = None
+        if r is not None and r.alias_info is not None:
+            for s in r.alias_info.before_set:
+                if s in arg_sets:
+                    hit = arg_sets[s]
+        out.append(hit)
+    return out
+
+
+def roots(graph: Graph) -> dict[str, str]:
+    """Var name -> the name of the var that owns its storage (itself unless it is a view)."""
+    root = {v.name: v.name for v in graph.inputs}
+    root.update({v.name: v.name for v, _ in graph.consts})
+    for e in graph.eqns:
+        for v, a in zip(e.outputs, aliases(e)):
+            root[v.name] = root[e.inputs[a].name] if a is not None else v.name
+    return root
+
+
+# ---------------------------------------------------------------- workspaces (calibrated)
+
+def _bytes_in(e: Eqn) -> int:
+    return sum(nbytes(v) for v in e.inputs)
+
+
+def _bytes_out(e: Eqn) -> int:
+    return sum(nbytes(v) for v in e.outputs)
+
+
+# op name -> transient bytes while it runs, beyond its outputs. Measured with the profiler's
+# allocation events on CPU (tests/test_remat_memory.py holds the table to the measurement).
+WORKSPACE = {
+    "all_to_all": lambda e: 2 * _bytes_in(e),          # the packed send buffer and the receive buffer
+    "all_gather_seq": lambda e: 2 * _bytes_out(e),     # every rank's chunk, then their concatenation
+    "shard_slice": lambda e: 2 * _bytes_out(e),        # the padded chunk before its clone
+    "unshard_grad": lambda e: _bytes_out(e),
+}
+
+
+def workspace(e: Eqn) -> int:
+    f = WORKSPACE.get(e.op.name)
+    return f(e) if f is not None else 0
+
+
+# ---------------------------------------------------------------- the simulation
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    start: int                     # bytes live before the first equation (counted inputs)
+    after: tuple[int, ...]         # bytes live after each equation
+    during: tuple[int, ...]        # peak bytes while each equation runs
+    end: int                       # bytes live at the end (outputs and kept values)
+    at_peak: tuple[tuple[str, int], ...] = ()   # (storage, bytes) live at the peak, if asked for
+
+    @property
+    def peak(self) -> int:
+        return max((self.start, self.end) + self.during)
+
+    def argmax(self) -> int:
+        return max(range(len(self.during)), key=self.during.__getitem__) if self.during else -1
+
+
+def last_uses(graph: Graph) -> dict[str, int]:
+    """Var name -> index of the last equation that reads it (-1: never read)."""
+    last: dict[str, int] = {}
+    for i, e in enumerate(graph.eqns):
+        for x in e.inputs:
+            last[x.name] = i
+    return last
+
+
+def simulate(graph: Graph, counted=(), keep=(), base: int = 0, host=(), detail: bool = False) -> Timeline:
+    """Bytes live through `graph`. Inputs named in `counted` (and their storages) count from the
+    start and are freed after their last use; other inputs and constants are not counted (they
+    live before and after the program). `keep`: names alive to the end besides the outputs.
+    `host`: names of values in host memory (offloaded copies), which the device does not hold."""
+    root = roots(graph)
+    counted = set(counted) - set(host)
+    host = set(host)
+    size: dict[str, int] = {}
+    for v in graph.inputs:
+        if v.name in counted:
+            size[root[v.name]] = max(size.get(root[v.name], 0), nbytes(v))
+    owners: dict[str, int] = {}                      # storage -> number of live vars in it
+    live_vars: set[str] = set()
+    pinned = {o.name for o in graph.outputs if isinstance(o, Var)} | set(keep)
+    last = last_uses(graph)
+
+    def hold(v: Var):
+        r = root[v.name]
+        owners[r] = owners.get(r, 0) + 1
+        live_vars.add(v.name)
+
+    cur = base
+    for v in graph.inputs:
+        if v.name in counted:
+            if owners.get(root[v.name], 0) == 0:
+                cur += size[root[v.name]]
+            hold(v)
+    start = cur
+
+    def release(name: str):
+        nonlocal cur
+        if name not in live_vars or name in pinned:
+            return
+        live_vars.discard(name)
+        r = root[name]
+        owners[r] -= 1
+        if owners[r] == 0 and r in size:
+            cur -= size.pop(r)
+
+    after, during = [], []
+    best, snapshot = -1, ()
+    for i, e in enumerate(graph.eqns):
+        for v, a in zip(e.outputs, aliases(e)):
+            if v.dtype is None:
+                continue
+            r = root[v.name]
+            if a is None and v.name not in host:
+                size[r] = nbytes(v)
+                cur += size[r]
+            if r in size or a is None:
+                hold(v)
+        during.append(cur + workspace(e))
+        if detail and during[-1] > best:
+            best = during[-1]
+            snapshot = tuple(sorted(size.items(), key=lambda kv: -kv[1]))
+        for x in {x.name for x in e.inputs}:
+            if last.get(x) == i:
+                release(x)
+        for v in e.outputs:
+            if v.name not in last:
+                release(v.name)
+        after.append(cur)
+    return Timeline(start, tuple(after), tuple(during), cur, snapshot)

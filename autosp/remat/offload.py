@@ -1,0 +1,79 @@
+"""Offload ops: a saved value leaves the device after its last forward use and comes back before
+its first backward use.
+
+On CUDA/ROCm the copies run on a side stream into pinned host memory, ordered after the
+producer by an event; the backward's `wait` makes the compute stream wait for the copy back
+right before the first use, so the transfer overlaps the equations in between. On CPU there
+is no device to leave: the value is copied into a separate host buffer and back, so the
+rewritten program is exercised (and its results tested) exactly as on a GPU.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_side: dict[int, object] = {}          # device index -> its copy stream
+
+
+def _stream(device: torch.device):
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _side:
+        _side[idx] = torch.cuda.Stream(device=idx)
+    return _side[idx]
+
+
+@torch.library.custom_op("autosp::offload", mutates_args=())
+def offload(x: Tensor) -> Tensor:
+    """A host copy of x (pinned, asynchronous on a side stream on CUDA)."""
+    if x.device.type != "cuda":
+        return x.clone()
+    side = _stream(x.device)
+    side.wait_stream(torch.cuda.current_stream(x.device))
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    with torch.cuda.stream(side):
+        host.copy_(x, non_blocking=True)
+    x.record_stream(side)
+    return host
+
+
+@offload.register_fake
+def _(x):
+    return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+
+
+@torch.library.custom_op("autosp::prefetch", mutates_args=())
+def prefetch(h: Tensor, device: str) -> Tensor:
+    """The host copy back on `device` (asynchronous on the side stream on CUDA; `wait` before use)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return h.clone()
+    side = _stream(dev)
+    with torch.cuda.stream(side):
+        out = torch.empty(h.shape, dtype=h.dtype, device=dev)
+        out.copy_(h, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(side)
+    out.record_stream(torch.cuda.current_stream(dev))
+    _pending[out.data_ptr()] = event
+    return out
+
+
+_pending: dict[int, object] = {}
+
+
+@prefetch.register_fake
+def _(h, device):
+    return torch.empty(h.shape, dtype=h.dtype, device=device)
+
+
+@torch.library.custom_op("autosp::wait", mutates_args=())
+def wait(x: Tensor) -> None:
+    """The compute stream waits for x's prefetch (nothing to wait for on CPU)."""
+    event = _pending.pop(x.data_ptr(), None) if x.device.type == "cuda" else None
+    if event is not None:
+        torch.cuda.current_stream(x.device).wait_event(event)
+
+
+@wait.register_fake
+def _(x):
+    return None

@@ -1,0 +1,307 @@
+"""Plan the memory of a training step: the ILP's answer as data, and the programs it yields.
+
+    plan, program = make_plan(joint, budget=0.3, device=device_for("cpu"))
+    print(plan)            # per template value: save / recompute / offload, bytes, FLOPs; totals
+    plan.peak_bytes        # the rewritten step simulated (liveness.py), per rank
+
+`budget` is a fraction of the no-remat peak (a float), or bytes (an int, or "20GiB"). The
+problem (problem.py) is solved (solve.py); the plan is applied (apply.py) and the program
+simulated. Where the simulation exceeds the budget (the model places recomputations by
+their first need, the program by dependency order), the ILP is solved again under a budget
+lowered by the excess. An infeasible budget raises AutospError with the smallest one.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from autosp.errors import AutospError
+from autosp.ir.core import Var
+from autosp.passes.autodiff import Joint
+from autosp.remat import liveness as L
+from autosp.remat.apply import Program, apply_plan, host_name
+from autosp.remat.cost import Device, eqn_cost
+from autosp.remat.problem import IlpProblem, Needs, build
+from autosp.remat.solve import Infeasible, solve
+from autosp.remat.template import tie, untie, variable_classes
+
+
+class BudgetError(AutospError):
+    """The memory budget cannot be met by any plan."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    name: str            # the forward value (its storage)
+    action: str          # "save" | "recompute" | "offload"
+    op: str
+    type: str            # printed type, e.g. f32[2,512,256]
+    bytes: int
+    flops: int           # recomputation FLOPs (0 unless recomputed)
+    seconds: float       # modelled recompute or unhidden transfer time
+
+
+@dataclass(frozen=True, slots=True)
+class StepMemory:
+    forward: L.Timeline
+    backward: L.Timeline
+
+    @property
+    def peak(self) -> int:
+        return max(self.forward.peak, self.backward.peak)
+
+
+@dataclass(frozen=True)
+class Plan:
+    decisions: tuple[Decision, ...]
+    peak_bytes: int                  # simulated per-rank peak of the rewritten step
+    no_remat_peak_bytes: int         # the same with every needed value saved
+    budget_bytes: int | None
+    least_peak_bytes: int | None     # the smallest peak a plan reaches (when it was needed)
+    recompute_flops: int
+    recompute_seconds: float
+    offload_bytes: int
+    device: str
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(d.bytes for d in self.decisions if d.action == "save")
+
+    def __str__(self) -> str:
+        rows = Counter()
+        info = {}
+        for d in self.decisions:
+            key = (d.action, d.op, d.type)
+            rows[key] += 1
+            info[key] = d
+        lines = [f"# remat plan ({self.device}): budget {_fmt(self.budget_bytes)}, predicted peak "
+                 f"{_fmt(self.peak_bytes)} per rank (no remat {_fmt(self.no_remat_peak_bytes)}"
+                 + (f", least {_fmt(self.least_peak_bytes)})" if self.least_peak_bytes else ")"),
+                 f"{'action':<10} {'count':>5}  {'op':<44} {'value':<28} {'bytes each':>12} {'FLOPs each':>12}"]
+        order = {"save": 0, "offload": 1, "recompute": 2}
+        for key in sorted(rows, key=lambda k: (order[k[0]], -info[k].bytes, k[1])):
+            d = info[key]
+            lines.append(f"{d.action:<10} {rows[key]:>5}  {d.op[:44]:<44} {d.type[:28]:<28} "
+                         f"{_fmt(d.bytes):>12} {d.flops:>12.3g}")
+        lines.append(f"totals: saved {_fmt(self.saved_bytes)}, offloaded {_fmt(self.offload_bytes)}, "
+                     f"recompute {self.recompute_flops:.3g} FLOPs ({self.recompute_seconds * 1e3:.3g} ms modelled)")
+        return "\n".join(lines)
+
+
+def _fmt(n) -> str:
+    if n is None:
+        return "none"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_budget(budget) -> tuple[str, float]:
+    """('fraction', f) or ('bytes', n) from 0.3, 6 * 2**30, '20GiB', '512 MB'."""
+    if isinstance(budget, bool) or budget is None:
+        raise AutospError(f"memory_budget={budget!r}: expected a fraction of the no-remat peak (0.3) or bytes "
+                          "(an int, or a string such as '20GiB').")
+    if isinstance(budget, float):
+        if not budget > 0:
+            raise AutospError(f"memory_budget={budget}: a fraction must be positive. Fix: e.g. memory_budget=0.3.")
+        return "fraction", budget
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise AutospError(f"memory_budget={budget}: bytes must be positive. Fix: e.g. memory_budget=6 * 2**30.")
+        return "bytes", float(budget)
+    if isinstance(budget, str):
+        m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", budget)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise AutospError(f"memory_budget={budget!r}: not a size. Fix: write it like '20GiB', '512MiB' or '6e9'.")
+        return "bytes", float(m.group(1)) * _UNITS[unit]
+    raise AutospError(f"memory_budget={budget!r} ({type(budget).__name__}): expected a float fraction, an int of "
+                      "bytes, or a string such as '20GiB'.")
+
+
+def simulate_step(program: Program) -> StepMemory:
+    """The step's bytes over time: the forward, then the backward with the forward's results live."""
+    host = {host_name(n) for n in program.offloaded}
+    f = L.simulate(program.forward, host=host)
+    kept = list(program.saved) + sorted(host)
+    tangents = [v.name for v in program.backward.inputs if v.role.value == "tangent"]
+    # forward outputs that the backward does not take stay alive (the caller holds them)
+    out_bytes = _distinct_bytes([o for o in program.forward.outputs[:program.n_outputs] if isinstance(o, Var)],
+                                exclude=set(program.saved))
+    b = L.simulate(program.backward, counted=set(kept) | set(tangents), base=out_bytes, host=host)
+    return StepMemory(f, b)
+
+
+def _distinct_bytes(vs, exclude=()) -> int:
+    seen, total = set(), 0
+    for v in vs:
+        if v.name in seen or v.name in exclude or v.dtype is None:
+            continue
+        seen.add(v.name)
+        total += L.nbytes(v)
+    return total
+
+
+def solve_placed(problem: IlpProblem, needs: Needs, budget: float | None, *, minimize_peak: bool = False,
+                 classes=None, rounds: int = 6, feasibility: bool = False) -> np.ndarray:
+    """Solve with the memory placed for the plan's own recomputations: plan -> R -> place(R) ->
+    plan, until the recomputed set is stable or repeats. Returns the best self-consistent answer
+    (its memory modelled with its own placement): the cheapest within budget, or the lowest peak.
+    With `classes` (template.py), every member of a class makes the same choice."""
+    recomputed: frozenset[int] = frozenset()
+    seen = set()
+    best = None
+    for _ in range(rounds):
+        needs.place(problem, recomputed)
+        try:
+            if classes is None:
+                x = solve(problem, budget, minimize_peak=minimize_peak, feasibility=feasibility)
+            else:
+                tied, cls = tie(problem, classes)
+                x = untie(solve(tied, budget, minimize_peak=minimize_peak, feasibility=feasibility), cls)
+        except Infeasible:
+            if best is not None:
+                break
+            raise
+        nxt = problem.recomputed(x)
+        needs.place(problem, nxt)
+        peak = float(np.max(problem.memory(x)))
+        ok = minimize_peak or peak <= budget * (1 + 1e-9)
+        key = (not ok, peak if minimize_peak or not ok else problem.objective(x))
+        if best is None or key < best[0]:
+            best = (key, x)
+        if nxt == recomputed or nxt in seen:
+            break
+        seen.add(recomputed)
+        recomputed = nxt
+    x = best[1]
+    needs.place(problem, problem.recomputed(x))
+    if not minimize_peak and float(np.max(problem.memory(x))) > budget * (1 + 1e-9):
+        raise Infeasible()
+    return x
+
+
+def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False,
+              template: bool | None = None) -> tuple[Plan, Program]:
+    """The plan for `budget` and its programs. `template`: tie identical layers (template.py);
+    None ties them when the problem is large (more than 200 binaries)."""
+    problem, needs = build(joint, device, offload=offload)
+    if template is None:
+        template = problem.n_bin > 200
+    classes = variable_classes(problem, joint.forward_eqns) if template else None
+    inf = float("inf")
+    full_x = solve_placed(problem, needs, inf, classes=classes)
+    full = _program(joint, problem, full_x)
+    no_remat = simulate_step(full).peak
+    if budget is None:
+        return _describe(problem, joint, full_x, full, no_remat, None, None, device), full
+    kind, amount = parse_budget(budget)
+    target = amount * no_remat if kind == "fraction" else amount
+    if target >= no_remat:
+        return _describe(problem, joint, full_x, full, no_remat, int(target), None, device), full
+
+    def simulated(x):
+        prog = _program(joint, problem, x)
+        return prog, simulate_step(prog).peak
+
+    model_budget = target
+    best = None
+    for _ in range(6):
+        try:
+            x = solve_placed(problem, needs, model_budget, classes=classes)
+        except Infeasible:
+            break
+        prog, peak = simulated(x)
+        obj = problem.objective(x)
+        if peak <= target and (best is None or obj < best[3]):
+            best = (x, prog, peak, obj)
+        if peak <= target:
+            break
+        model_budget -= (peak - target) + 0.002 * target
+    least_peak = None
+    if best is None:
+        # the smallest peak the planner reaches, by bisection on feasibility (minimising the peak
+        # directly is a much harder MIP); its plan is used if it fits, else the budget is refused
+        least = _least(problem, needs, classes, simulated, no_remat, full_x, full)
+        least_peak = least[2]
+        if least_peak > target:
+            raise BudgetError(
+                f"autosp remat: memory_budget={budget!r} ({_fmt(target)} per rank) is below the smallest peak the "
+                f"planner reaches, {least_peak} bytes ({_fmt(least_peak)}, {least_peak / no_remat:.3f} of the "
+                f"no-remat peak {_fmt(no_remat)}). Fix: memory_budget={least_peak} or more (a fraction >= "
+                f"{least_peak / no_remat:.3f}), or more sequence-parallel ranks.")
+        best = least + (problem.objective(least[0]),)
+    x, prog = best[0], best[1]
+    return _describe(problem, joint, x, prog, no_remat, int(target), least_peak, device), prog
+
+
+def _least(problem, needs, classes, simulated, no_remat, full_x, full, tol: float = 0.005):
+    """(x, program, peak) of the lowest simulated peak found by bisection on the budget."""
+    best = (full_x, full, no_remat)
+    lo, hi = float(np.max(problem.base)), float(no_remat)
+    while hi - lo > tol * no_remat:
+        mid = (lo + hi) / 2
+        try:
+            x = solve_placed(problem, needs, mid, classes=classes, feasibility=True)
+        except Infeasible:
+            lo = mid
+            continue
+        prog, peak = simulated(x)
+        if peak < best[2]:
+            best = (x, prog, peak)
+        hi = min(mid, peak) if peak <= mid else mid
+    if best[0] is not full_x:
+        # the cheapest plan at that peak
+        try:
+            x = solve_placed(problem, needs, float(best[2]), classes=classes)
+            prog, peak = simulated(x)
+            if peak <= best[2]:
+                best = (x, prog, peak)
+        except Infeasible:
+            pass
+    return best
+
+
+def _program(joint: Joint, p: IlpProblem, x) -> Program:
+    x = np.asarray(x)
+    nK, nV = len(p.eqns), len(p.values)
+    recomputed = [p.eqns[i] for i in range(nK) if x[i] > 0.5]
+    saved = [p.values[i] for i in range(nV) if x[nK + i] > 0.5]
+    offloaded = [p.values[i] for i in range(nV) if x[nK + nV + i] > 0.5 and x[nK + i] < 0.5]
+    return apply_plan(joint, saved, recomputed, offloaded)
+
+
+def _describe(p: IlpProblem, joint: Joint, x, program: Program, no_remat, target, least, device) -> Plan:
+    fwd = joint.forward_eqns
+    nK, nV = len(p.eqns), len(p.values)
+    by_name = {o.name: (k, o) for k, e in enumerate(fwd) for o in e.outputs}
+    recomputed = set(program.backward.eqns) & set(fwd)
+    recomputed_eqns = [e for e in program.backward.eqns if e in recomputed]
+    decisions = []
+    for i, n in enumerate(p.values):
+        k, o = by_name[n]
+        e = fwd[k]
+        if n in program.saved:
+            act = "save"
+        elif n in program.offloaded:
+            act = "offload"
+        elif e in recomputed:
+            act = "recompute"
+        else:
+            continue
+        c = p.cost[p.value_eqn[i]] if act == "recompute" else (p.cost[nK + nV + i] if act == "offload" else 0.0)
+        fl = int(p.flops[p.value_eqn[i]]) if act == "recompute" else 0
+        decisions.append(Decision(n, act, e.op.name, o.type_str(), L.nbytes(o), fl, float(c)))
+    rflops = sum(eqn_cost(e, device).flops for e in recomputed_eqns)
+    rsec = sum(eqn_cost(e, device).seconds for e in recomputed_eqns)
+    peak = simulate_step(program).peak
+    return Plan(tuple(decisions), int(peak), int(no_remat), target, least, int(rflops), float(rsec),
+                sum(d.bytes for d in decisions if d.action == "offload"), device.name)

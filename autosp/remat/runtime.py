@@ -1,0 +1,115 @@
+"""Run a remat Program: an autograd.Function whose saved tensors are exactly the plan's.
+
+forward:  the forward program on the primals -> outputs (returned), saved values and host
+          copies (kept for the backward);
+backward: tangents scaled by the step's output factors (grad_scale), the backward program
+          on (primals, saved, host copies, tangents), then each parameter's gradient summed
+          over its groups (grad_sync), in place: the program's outputs are fresh tensors.
+
+The backward program uses the boxed calling convention (it takes one list and empties it),
+and the Function releases its saved tensors before calling it, so every saved value is
+freed right after its last backward use, as the memory model assumes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from autosp.collectives import _pg
+from autosp.ir.lower import lower
+from autosp.passes.autodiff import Joint, StepBoundary
+from autosp.remat.apply import Program
+
+
+class _BoxedCodeGen(fx.graph.CodeGen):
+    """`def forward(self, args)`: unpack the list, then clear it, so the caller keeps no references."""
+
+    def gen_fn_def(self, free_vars, maybe_return_annotation, **kwargs):
+        names = [v.split(":")[0].split("=")[0].strip() for v in free_vars if v != "self"]
+        head = f"def {getattr(self, '_func_name', 'forward')}(self, args){maybe_return_annotation}:"
+        if not names:
+            return head
+        return head + f"\n    ({', '.join(names)},) = args\n    args.clear()"
+
+
+def lower_boxed(graph) -> fx.GraphModule:
+    gm = lower(graph)
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+    return gm
+
+
+class Runner:
+    """The compiled step: lowered forward and (boxed) backward, with the boundary's bookkeeping."""
+
+    def __init__(self, program: Program, joint: Joint, boundary: StepBoundary):
+        self.program = program
+        self.forward = lower(program.forward)
+        self.backward = lower_boxed(program.backward)
+        self.n_out = program.n_outputs
+        self.n_primals = joint.n_primals
+        self.diff_inputs = joint.diff_inputs
+        self.diff_outputs = joint.diff_outputs
+        self.scale = boundary.scale
+        self.sync = dict(boundary.sync)
+        self.copy_grad = _shared_outputs(program.backward)
+
+    def __call__(self, *primals):
+        if not torch.is_grad_enabled() or not any(
+                isinstance(primals[i], torch.Tensor) and primals[i].requires_grad for i in self.diff_inputs):
+            with torch.no_grad():
+                return tuple(self.forward(*primals)[:self.n_out])
+        return _RematStep.apply(self, *primals)
+
+
+class _RematStep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run: Runner, *primals):
+        res = run.forward(*primals)
+        outs, kept = res[:run.n_out], res[run.n_out:]
+        ctx.run = run
+        ctx.save_for_backward(*primals, *kept)
+        diff = set(run.diff_outputs)
+        ctx.mark_non_differentiable(*[o for j, o in enumerate(outs)
+                                      if isinstance(o, torch.Tensor) and j not in diff])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *gouts):
+        run: Runner = ctx.run
+        args = list(ctx.saved_tensors)
+        clear = getattr(ctx, "maybe_clear_saved_tensors", None)
+        if clear is not None:
+            clear()           # the list holds the only references now: freed as the backward consumes them
+        for j in run.diff_outputs:
+            g = gouts[j]
+            if g is None:
+                o = run.program.forward.outputs[j]
+                g = torch.zeros(o.shape, dtype=o.dtype, device=o.device)
+            elif run.scale[j] != 1.0:
+                g = g * run.scale[j]
+            args.append(g)
+        del gouts
+        grads = run.backward(args)
+        out = [None] * run.n_primals
+        for i, g, copy in zip(run.diff_inputs, grads, run.copy_grad):
+            groups = run.sync.get(i, ())
+            if groups and (copy or not g.is_contiguous()):
+                g = g.clone(memory_format=torch.contiguous_format)     # all_reduce works in place
+            for name in groups:
+                dist.all_reduce(g, group=_pg(name))
+            out[i] = g
+        return (None, *out)
+
+
+def _shared_outputs(graph) -> list[bool]:
+    """Per output: True if its storage is not the program's own (an input, a view, or shared with
+    another output), so an in-place all-reduce on it would change something else."""
+    from autosp.remat.liveness import roots
+    root = roots(graph)
+    inputs = {v.name for v in graph.inputs}
+    seen: dict[str, int] = {}
+    for o in graph.outputs:
+        seen[root[o.name]] = seen.get(root[o.name], 0) + 1
+    return [root[o.name] in inputs or root[o.name] != o.name or seen[root[o.name]] > 1 for o in graph.outputs]
