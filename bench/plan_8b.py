@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from tests.dist import run_ranks  # noqa: E402
 
 
-def _job(rank, world, layers, seq, budget, dtype):
+def _job(rank, world, layers, seq, budget, dtype, profile=False):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -41,10 +41,18 @@ def _job(rank, world, layers, seq, budget, dtype):
     _, local = autosp.shard(loss_fn, mesh).graphs(params, ids, ids)
     t1 = time.perf_counter()
     _, joint = joint_of(local)
+    torch.distributed.barrier()     # the plan is timed alone, as on a cluster (one rank per GPU's cores)
     if rank != 0:            # autosp plans on the group's first rank and broadcasts; the others wait
         return None
     t2 = time.perf_counter()
-    plan, _ = make_plan(joint, budget, device_for("cuda"))
+    if profile:
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        plan, _ = prof.runcall(make_plan, joint, budget, device_for("cuda"))
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+    else:
+        plan, _ = make_plan(joint, budget, device_for("cuda"))
     t3 = time.perf_counter()
     return t1 - t0, t2 - t1, t3 - t2, len(joint.graph.eqns), plan
 
@@ -56,8 +64,9 @@ def main():
     ap.add_argument("--sp", type=int, default=8)
     ap.add_argument("--budget", type=float, default=0.5)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--profile", action="store_true", help="cProfile the plan on the planning rank")
     a = ap.parse_args()
-    ts, tj, tp, n, plan = run_ranks(_job, a.sp, a.layers, a.seq, a.budget, a.dtype, timeout=3600)[0]
+    ts, tj, tp, n, plan = run_ranks(_job, a.sp, a.layers, a.seq, a.budget, a.dtype, a.profile, timeout=3600)[0]
     print(plan)
     print(f"\n{a.layers} layers, seq {a.seq}, sp={a.sp}, {a.dtype}, budget {a.budget}: trace + shard {ts:.1f} s, "
           f"joint graph {tj:.1f} s ({n} equations), plan {tp:.1f} s; predicted peak {plan.peak_bytes / 2**30:.2f} "

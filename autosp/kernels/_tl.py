@@ -57,3 +57,42 @@ def probe_interpreter() -> None:
     _probe_loop[(1,)](x, 3)
     if not bool((x == 3).all()):
         raise RuntimeError(f"probe kernel computed {x.tolist()}, expected 3s")
+
+
+# ---------------------------------------------------------------- 64-bit tile offsets
+# A row offset `row * stride_row` passes 2**31 long before the tensor does: a [b, s, h, d] view
+# (which flash_attention accepts without a copy) has stride_row = h * d, so s * h * d >= 2**31 at
+# 128 heads x 128 at s = 128k. Every kernel takes its tile offsets from these helpers: the tile's
+# first row in 64 bits, the rows inside the tile (at most a block times the stride) in 32.
+
+
+@jit
+def tile_offsets(start, stride_r, offs_c, stride_c, ROWS: tl.constexpr):
+    # [ROWS, len(offs_c)] element offsets of rows start .. start + ROWS - 1, columns offs_c
+    return tl.cast(start, tl.int64) * stride_r + (tl.arange(0, ROWS)[:, None] * stride_r
+                                                  + offs_c[None, :] * stride_c)
+
+
+@jit
+def tile_offsets_t(start, stride_r, offs_c, stride_c, ROWS: tl.constexpr):
+    # the same tile transposed: [len(offs_c), ROWS] (K^T, V^T and Q^T tiles for the dots)
+    return tl.cast(start, tl.int64) * stride_r + (tl.arange(0, ROWS)[None, :] * stride_r
+                                                  + offs_c[:, None] * stride_c)
+
+
+@jit
+def _offsets_probe(OUT, OUT_T, start, stride_r, stride_c, ROWS: tl.constexpr, COLS: tl.constexpr):
+    cols = tl.arange(0, COLS)
+    tl.store(OUT + tl.arange(0, ROWS)[:, None] * COLS + cols[None, :], tile_offsets(start, stride_r, cols, stride_c, ROWS))
+    tl.store(OUT_T + cols[:, None] * ROWS + tl.arange(0, ROWS)[None, :],
+             tile_offsets_t(start, stride_r, cols, stride_c, ROWS))
+
+
+def tile_offsets_of(start: int, stride_r: int, stride_c: int, rows: int, cols: int, device="cpu"):
+    """What tile_offsets and tile_offsets_t compute in a kernel, as int64 tensors (for tests)."""
+    import torch
+
+    out = torch.zeros(rows, cols, dtype=torch.int64, device=device)
+    out_t = torch.zeros(cols, rows, dtype=torch.int64, device=device)
+    _offsets_probe[(1,)](out, out_t, start, stride_r, stride_c, ROWS=rows, COLS=cols)
+    return out, out_t

@@ -17,6 +17,7 @@ to the interpreted twin.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -46,6 +47,24 @@ def triton_version() -> str:
     import triton
 
     return triton.__version__
+
+
+def launch_device(t: torch.Tensor):
+    """The context to launch kernels on t in: its own GPU (Triton launches on the current device,
+    which need not be the one a second GPU's tensors live on)."""
+    if t.device.type == "cuda" and t.device.index is not None:
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def check_grid(grid: tuple, what: str) -> tuple:
+    """CUDA's grid: axis 0 up to 2**31 - 1, axes 1 and 2 up to 65535 (the kernels put heads on
+    axis 0 and sequence tiles on axis 1)."""
+    if grid[0] >= 2**31 or any(g > 65535 for g in grid[1:]):
+        from autosp.errors import AutospError
+        raise AutospError(f"autosp.kernels: {what} needs a launch grid of {grid}, beyond CUDA's (2**31 - 1, 65535, "
+                          "65535). Fix: a larger block size for this length (config.override), or split the batch")
+    return grid
 
 
 def device_name(device: torch.device) -> str:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from autosp.kernels._triton import jit
+from autosp.kernels._triton import jit, launch_device
 
 
 @jit
@@ -45,5 +45,6 @@ def copy5(dst: torch.Tensor, src: torch.Tensor, cfg: dict) -> None:
         return
     block_r = cfg["BLOCK_R"]
     grid = (n0 * n1 * n2 * triton.cdiv(rows, block_r),)
-    _copy5[grid](src, dst, n1, n2, rows, *src.stride(), *dst.stride(),
-                 HEAD_D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_R=block_r, num_warps=cfg["num_warps"])
+    with launch_device(src):
+        _copy5[grid](src, dst, n1, n2, rows, *src.stride(), *dst.stride(),
+                     HEAD_D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_R=block_r, num_warps=cfg["num_warps"])

@@ -12,7 +12,9 @@ layout copy uses "full" and buckets s/P). Its path is `$AUTOSP_KERNEL_CONFIGS`, 
 Lookup order: an `override(...)` in effect, the exact key, the same key at the
 nearest tuned sequence bucket (a block size tuned at 8k is a better guess at
 16k than the default), the defaults below. An entry that breaks a kernel's
-constraints is ignored rather than trusted, so a stale cache never breaks a run.
+constraints is ignored rather than trusted, so a stale cache never breaks a run. The file is
+read once per process and each choice remembered: a launch costs a dict lookup (`reload()`
+forgets both).
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ PARAMS = {
 }
 
 _overrides: dict[str, dict] = {}
-_loaded: dict[tuple[str, float], dict] = {}
+_loaded: dict[str, dict] = {}            # cache path -> its entries, read once per process
+_chosen: dict[tuple, dict] = {}          # (path, key) -> the config lookup() returned
 
 
 def seq_bucket(seq_len: int) -> int:
@@ -56,19 +59,22 @@ def cache_path() -> Path:
 
 
 def load_cache(path: Path | None = None) -> dict:
-    """The cache's entries ({} when there is no file or it is unreadable)."""
-    path = path or cache_path()
-    try:
-        mtime = path.stat().st_mtime
-    except OSError:
-        return {}
-    if (str(path), mtime) not in _loaded:
+    """The cache's entries ({} when there is no file or it is unreadable); the file is read once
+    per process (a launch must not stat or parse it), again after save_entries or reload()."""
+    path = str(path or cache_path())
+    if path not in _loaded:
         try:
-            entries = json.loads(path.read_text()).get("entries", {})
+            entries = json.loads(Path(path).read_text()).get("entries", {})
         except (OSError, ValueError, AttributeError):
-            entries = {}  # a corrupt cache must not stop training: defaults still work
-        _loaded[(str(path), mtime)] = entries if isinstance(entries, dict) else {}
-    return _loaded[(str(path), mtime)]
+            entries = {}  # no file, or a corrupt one: it must not stop training; defaults still work
+        _loaded[path] = entries if isinstance(entries, dict) else {}
+    return _loaded[path]
+
+
+def reload() -> None:
+    """Forget what was read: the next lookup reads the cache file again."""
+    _loaded.clear()
+    _chosen.clear()
 
 
 def save_entries(entries: dict[str, dict], path: Path | None = None) -> Path:
@@ -81,6 +87,8 @@ def save_entries(entries: dict[str, dict], path: Path | None = None) -> Path:
     with os.fdopen(fd, "w") as f:
         json.dump({"version": 1, "entries": dict(sorted(merged.items()))}, f, indent=1)
     os.replace(tmp, path)
+    _loaded[str(path)] = merged
+    _chosen.clear()
     return path
 
 
@@ -136,8 +144,16 @@ def lookup(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int,
         return dict(_overrides[kernel])
     from autosp.kernels._triton import device_name
 
+    path = os.environ.get("AUTOSP_KERNEL_CONFIGS") or ""
+    memo = (path, kernel, device.type, device.index, dtype, head_dim, causal, seq_bucket(seq_len))
+    if memo not in _chosen:
+        _chosen[memo] = _choose(kernel, device, device_name(device), dtype, head_dim, causal, seq_len)
+    return dict(_chosen[memo])
+
+
+def _choose(kernel, device, name, dtype, head_dim, causal, seq_len) -> dict:
     entries = load_cache()
-    key = cache_key(kernel, device_name(device), dtype, head_dim, causal, seq_len)
+    key = cache_key(kernel, name, dtype, head_dim, causal, seq_len)
     cfg = entries.get(key)
     if cfg is None and entries:
         prefix, want = key.rsplit("|s", 1)

@@ -41,8 +41,27 @@ def _shapes(q, k, v) -> str:
     return f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
 
 
+_CHECKED: set = set()     # signatures already checked: a training step calls with the same few
+
+
 def check_inputs(q, k, v, causal, scale, backend) -> None:
-    """Raise AutospError naming the shapes and the fix for anything the op does not take."""
+    """Raise AutospError naming the shapes and the fix for anything the op does not take.
+    A signature (shapes, dtypes, devices, flags) is checked once per process."""
+    try:
+        sig = tuple((tuple(t.shape), t.dtype, t.device) for t in (q, k, v)) + (
+            type(causal), causal, type(scale), scale, backend)
+        if sig in _CHECKED:
+            return
+    except (AttributeError, TypeError):      # not tensors, or unhashable: the checks below say what
+        sig = None
+    _check_inputs(q, k, v, causal, scale, backend)
+    if sig is not None:
+        if len(_CHECKED) > 4096:
+            _CHECKED.clear()
+        _CHECKED.add(sig)
+
+
+def _check_inputs(q, k, v, causal, scale, backend) -> None:
     op = "autosp.flash_attention"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):

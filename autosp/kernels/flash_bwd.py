@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from autosp.kernels._tl import row_sum
-from autosp.kernels._triton import jit
+from autosp.kernels._tl import row_sum, tile_offsets, tile_offsets_t
+from autosp.kernels._triton import check_grid, jit, launch_device
 from autosp.kernels.flash_fwd import LOG2E, dot_precision
 
 
@@ -34,13 +34,14 @@ def _bwd_preprocess(O, DO, DLSE, Delta,
     off_bh = tl.program_id(1)
     off_b = (off_bh // n_heads_q).to(tl.int64)
     off_h = (off_bh % n_heads_q).to(tl.int64)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    start_m = tl.program_id(0) * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
     row_ok = offs_m < seq_len
-    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + tile_offsets(start_m, stride_om, offs_d, stride_od, BLOCK_M),
                 mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom
-                 + offs_d[None, :] * stride_dod, mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh
+                 + tile_offsets(start_m, stride_dom, offs_d, stride_dod, BLOCK_M), mask=row_ok[:, None], other=0.0)
     delta = row_sum(o.to(tl.float32) * do.to(tl.float32))
     row = off_bh.to(tl.int64) * seq_len + offs_m
     if HAS_DLSE:
@@ -58,8 +59,8 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
-        qt_ptrs = q_base + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd  # (D, BLOCK_M)
-        do_ptrs = do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod  # (BLOCK_M, D)
+        qt_ptrs = q_base + tile_offsets_t(start_m, stride_qm, offs_d, stride_qd, BLOCK_M)  # (D, BLOCK_M)
+        do_ptrs = do_base + tile_offsets(start_m, stride_dom, offs_d, stride_dod, BLOCK_M)  # (BLOCK_M, D)
         if MASKED:
             row_ok = offs_m < seq_len
             qt = tl.load(qt_ptrs, mask=row_ok[None, :], other=0.0)
@@ -96,17 +97,18 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE, Delta,
               n_heads_q, n_heads_kv, group, seq_len, qk_scale, sm_scale,
               HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
-    # grid: (cdiv(seq_len, BLOCK_N), b * hkv)
-    start_n = tl.program_id(0) * BLOCK_N
-    off_bhk = tl.program_id(1)
+    # grid: (b * hkv, cdiv(seq_len, BLOCK_N)): heads the fast axis; under a causal mask the first key
+    # tiles see the most query tiles, so every head's heaviest tile starts in the first wave
+    start_n = tl.program_id(1) * BLOCK_N
+    off_bhk = tl.program_id(0)
     off_b = (off_bhk // n_heads_kv).to(tl.int64)
     off_hk = (off_bhk % n_heads_kv).to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_D)
     col_ok = offs_n < seq_len
-    k = tl.load(K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+    k = tl.load(K + off_b * stride_kb + off_hk * stride_kh + tile_offsets(start_n, stride_kn, offs_d, stride_kd, BLOCK_N),
                 mask=col_ok[:, None], other=0.0)
-    v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+    v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + tile_offsets(start_n, stride_vn, offs_d, stride_vd, BLOCK_N),
                 mask=col_ok[:, None], other=0.0)
     dk = tl.full([BLOCK_N, HEAD_D], 0.0, dtype=tl.float32)
     dv = tl.full([BLOCK_N, HEAD_D], 0.0, dtype=tl.float32)
@@ -141,10 +143,10 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE, Delta,
                              BLOCK_M, True, CAUSAL, DOT_PREC)
 
     dk = dk * sm_scale
-    tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None] * stride_dkn
-             + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + offs_n[:, None] * stride_dvn
-             + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + tile_offsets(start_n, stride_dkn, offs_d, stride_dkd, BLOCK_N),
+             dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + tile_offsets(start_n, stride_dvn, offs_d, stride_dvd, BLOCK_N),
+             dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
 
 
 @jit
@@ -156,8 +158,8 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base,
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        kt_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd  # (D, BLOCK_N)
-        vt_ptrs = v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd  # (D, BLOCK_N)
+        kt_ptrs = k_base + tile_offsets_t(start_n, stride_kn, offs_d, stride_kd, BLOCK_N)  # (D, BLOCK_N)
+        vt_ptrs = v_base + tile_offsets_t(start_n, stride_vn, offs_d, stride_vd, BLOCK_N)  # (D, BLOCK_N)
         if MASKED:
             kt = tl.load(kt_ptrs, mask=offs_n[None, :] < seq_len, other=0.0)
             vt = tl.load(vt_ptrs, mask=offs_n[None, :] < seq_len, other=0.0)
@@ -187,9 +189,10 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, Delta,
             n_heads_q, group, seq_len, qk_scale, sm_scale,
             HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
-    # grid: (cdiv(seq_len, BLOCK_M), b * hq); last (heaviest, if causal) tiles first, as in the forward
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    off_bh = tl.program_id(1)
+    # grid: (b * hq, cdiv(seq_len, BLOCK_M)); every head's last (heaviest, if causal) tile first,
+    # as in the forward
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    off_bh = tl.program_id(0)
     off_b = (off_bh // n_heads_q).to(tl.int64)
     off_h = off_bh % n_heads_q
     off_hk = (off_h // group).to(tl.int64)
@@ -197,10 +200,10 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, Delta,
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
     row_ok = offs_m < seq_len
-    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + tile_offsets(start_m, stride_qm, offs_d, stride_qd, BLOCK_M),
                 mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom
-                 + offs_d[None, :] * stride_dod, mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh
+                 + tile_offsets(start_m, stride_dom, offs_d, stride_dod, BLOCK_M), mask=row_ok[:, None], other=0.0)
     row = off_bh.to(tl.int64) * seq_len + offs_m
     lse = tl.load(LSE + row, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(Delta + row, mask=row_ok, other=0.0)
@@ -219,8 +222,8 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, Delta,
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                    offs_m, offs_d, full_hi, masked_hi, seq_len, qk_scale, BLOCK_N, True, CAUSAL, DOT_PREC)
     dq = dq * sm_scale
-    tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm
-             + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + tile_offsets(start_m, stride_dqm, offs_d, stride_dqd, BLOCK_M),
+             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 def attention_backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, cfg: dict):
@@ -232,26 +235,27 @@ def attention_backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, cf
     lse = lse.contiguous()
     delta = torch.empty((b, hq, s), dtype=torch.float32, device=q.device)
     dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
-    pre_block = 64
-    _bwd_preprocess[(triton.cdiv(s, pre_block), b * hq)](
-        o, do, delta if dlse is None else dlse, delta, *o.stride(), *do.stride(), hq, s,
-        HEAD_D=d, BLOCK_M=pre_block, HAS_DLSE=dlse is not None, num_warps=4,
-    )
-    dq = torch.empty((b, hq, s, d), dtype=q.dtype, device=q.device)
-    dk = torch.empty((b, hkv, s, d), dtype=k.dtype, device=k.device)
-    dv = torch.empty((b, hkv, s, d), dtype=v.dtype, device=v.device)
-    common = dict(HEAD_D=d, CAUSAL=causal, DOT_PREC=dot_precision(q.dtype),
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    _bwd_dkdv[(triton.cdiv(s, cfg["BLOCK_N1"]), b * hkv)](
-        q, k, v, do, dk, dv, lse, delta,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        hq, hkv, group, s, scale * LOG2E, scale,
-        BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], **common,
-    )
-    _bwd_dq[(triton.cdiv(s, cfg["BLOCK_M2"]), b * hq)](
-        q, k, v, do, dq, lse, delta,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-        hq, group, s, scale * LOG2E, scale,
-        BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], **common,
-    )
+    with launch_device(q):
+        pre_block = 64
+        _bwd_preprocess[(triton.cdiv(s, pre_block), b * hq)](
+            o, do, delta if dlse is None else dlse, delta, *o.stride(), *do.stride(), hq, s,
+            HEAD_D=d, BLOCK_M=pre_block, HAS_DLSE=dlse is not None, num_warps=4,
+        )
+        dq = torch.empty((b, hq, s, d), dtype=q.dtype, device=q.device)
+        dk = torch.empty((b, hkv, s, d), dtype=k.dtype, device=k.device)
+        dv = torch.empty((b, hkv, s, d), dtype=v.dtype, device=v.device)
+        common = dict(HEAD_D=d, CAUSAL=causal, DOT_PREC=dot_precision(q.dtype),
+                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        _bwd_dkdv[check_grid((b * hkv, triton.cdiv(s, cfg["BLOCK_N1"])), f"flash attention dK/dV at s={s}")](
+            q, k, v, do, dk, dv, lse, delta,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+            hq, hkv, group, s, scale * LOG2E, scale,
+            BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], **common,
+        )
+        _bwd_dq[check_grid((b * hq, triton.cdiv(s, cfg["BLOCK_M2"])), f"flash attention dQ at s={s}")](
+            q, k, v, do, dq, lse, delta,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+            hq, group, s, scale * LOG2E, scale,
+            BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], **common,
+        )
     return dq, dk, dv

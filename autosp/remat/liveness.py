@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autosp.ir.core import Eqn, Graph, Var
+from autosp.ir.core import Eqn, Graph, In, Var
 
 aten = torch.ops.aten
 _VIEW_LIKE = {"_unsafe_view"}                   # no alias annotation, but a view of its input
@@ -51,14 +51,16 @@ def _aliases(e: Eqn) -> list[int | None]:
     schema = getattr(target, "_schema", None)
     if schema is None or getattr(target, "namespace", None) == "autosp":
         return [None] * n
-    # positions of tensor arguments among the equation's inputs, by schema argument
+    # positions of tensor arguments among the equation's inputs, by schema argument: read off the
+    # argument template (In(k) holes), not by binding it (this runs for every equation of every
+    # program the planner simulates)
     arg_sets = {}
-    args, kwargs = e.var_args()
+    args, kwargs = e.args, dict(e.kwargs)
     for i, a in enumerate(schema.arguments):
         val = args[i] if i < len(args) else kwargs.get(a.name)
-        if a.alias_info is not None and isinstance(val, Var):
+        if a.alias_info is not None and isinstance(val, In):
             for s in a.alias_info.before_set:
-                arg_sets.setdefault(s, e.inputs.index(val))
+                arg_sets.setdefault(s, e.inputs.index(e.inputs[val.k]))
     out: list[int | None] = []
     rets = schema.returns
     for k in range(n):
