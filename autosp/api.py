@@ -126,8 +126,8 @@ class Sharded:
     def _remat(self, local: Graph, leaves):
         """The step with a remat plan: joint graph, plan (the same on every sp rank), runner."""
         from autosp.remat import compile_step
-        dev = next((x.device.type for x in leaves if isinstance(x, torch.Tensor)), "cpu")
-        plan, runner = compile_step(local, self.memory_budget, device=dev, host_bandwidth=self.host_bandwidth,
+        plan, runner = compile_step(local, self.memory_budget, device=_device_of(leaves),
+                                    host_bandwidth=self.host_bandwidth,
                                     group=self.info.sp_group)
         return plan, runner
 
@@ -240,6 +240,12 @@ def _differentiable(params):
     return pytree.tree_unflatten(live, spec)
 
 
+def _device_of(args) -> str:
+    """The device type the arguments' tensors live on, for the cost model (meta tensors: cpu)."""
+    kinds = [x.device.type for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+    return next((k for k in kinds if k != "meta"), "cpu")
+
+
 def plan(fn, mesh, *args, memory_budget=None, in_specs=None, host_bandwidth=None, device: str | None = None):
     """The remat plan of value_and_grad(fn, mesh, memory_budget=...) on these arguments; runs nothing.
 
@@ -251,10 +257,7 @@ def plan(fn, mesh, *args, memory_budget=None, in_specs=None, host_bandwidth=None
         raise AutospError("autosp.plan: no arguments. Fix: autosp.plan(fn, mesh, params, *batch, memory_budget=0.3).")
     args = (_differentiable(args[0]),) + tuple(args[1:])
     _, local = Sharded(fn, mesh, in_specs).graphs(*args)
-    if device is None:
-        kinds = [x.device.type for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
-        device = next((k for k in kinds if k != "meta"), "cpu")
-    return plan_step(local, memory_budget, device=device, host_bandwidth=host_bandwidth)[0]
+    return plan_step(local, memory_budget, device=device or _device_of(args), host_bandwidth=host_bandwidth)[0]
 
 
 def explain(fn, mesh, *args, in_specs=None, memory_budget=None, host_bandwidth=None) -> str:
@@ -271,8 +274,6 @@ def explain(fn, mesh, *args, in_specs=None, memory_budget=None, host_bandwidth=N
     parts = [head, str(graph), str(local)]
     if memory_budget is not None:
         from autosp.remat import plan_step
-        kinds = [x.device.type for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
-        device = next((k for k in kinds if k != "meta"), "cpu")
-        plan, program, _, _ = plan_step(local, memory_budget, device=device, host_bandwidth=host_bandwidth)
+        plan, program, _, _ = plan_step(local, memory_budget, device=_device_of(args), host_bandwidth=host_bandwidth)
         parts += [str(plan), str(program.forward), str(program.backward)]
     return "\n\n".join(parts)

@@ -22,16 +22,8 @@ def peak_bytes(step, *tracked: torch.Tensor, device: str | None = None) -> tuple
         out = step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before, out
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = step()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    cur = best = 0
-    for e in events:
-        cur += e.nbytes()
-        best = max(best, cur)
-    return best, out
+    run, out = allocation_trace(step)
+    return max(run, default=0), out
 
 
 def allocation_trace(step) -> tuple[list[int], object]:

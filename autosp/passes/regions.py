@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autosp.ir.core import Eqn, Graph
+from autosp.ir.core import Eqn, Graph, Var
 from autosp.ir.ops import Tag
 
 # ops that may sit between the two matmuls: position-wise over the scores, softmax over keys
@@ -26,10 +26,10 @@ _INNER = {"softmax", "_softmax", "dropout", "native_dropout", "to.dtype", "to.de
 
 @dataclass(frozen=True, slots=True)
 class AttentionRegion:
-    q: str                  # [.., h, L, d]
-    k: str                  # [.., h, L, d] (before its transpose)
-    v: str                  # [.., h, L, dv]
-    out: str                # [.., h, L, dv]
+    q: Var                  # [.., h, L, d]
+    k: Var                  # [.., h, L, d] (before its transpose)
+    v: Var                  # [.., h, L, dv]
+    out: Var                # [.., h, L, dv]
     eqns: frozenset[int]    # the region's equations (the k transpose, both matmuls and what is between)
     last: int               # index of the second matmul: the region is emitted there
 
@@ -101,7 +101,7 @@ def find_regions(graph: Graph) -> list[AttentionRegion]:
         v, out = b.inputs[1], b.outputs[0]
         if v.ndim != x.ndim or out.shape[-2] != length:
             continue
-        regions.append(AttentionRegion(x.name, k.name, v.name, out.name,
+        regions.append(AttentionRegion(x, k, v, out,
                                        frozenset(inner | {t_idx, b_idx}), b_idx))
     return regions
 

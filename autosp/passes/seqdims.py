@@ -375,13 +375,11 @@ def infer_seq_positions(graph: Graph, seeds: dict[str, SeqPos] | None = None, re
         if e.op.name == "attention" and e.op.target is not None:
             for v in (*e.inputs[:3], e.outputs[0]):
                 pos.setdefault(v.name, SeqPos(v.ndim - 2))
-    var = {v.name: v for v in graph.inputs}
-    var.update({o.name: o for e in graph.eqns for o in e.outputs})
     inside: set[int] = set()
     for r in regions:
         inside |= r.eqns
-        for name in (r.q, r.k, r.v, r.out):
-            pos.setdefault(name, SeqPos(var[name].ndim - 2))
+        for v in (r.q, r.k, r.v, r.out):
+            pos.setdefault(v.name, SeqPos(v.ndim - 2))
     adj: dict[str, list[tuple[Var, Map]]] = defaultdict(list)
     for k, e in enumerate(graph.eqns):
         if k in inside:
@@ -407,10 +405,8 @@ def infer_seq_positions(graph: Graph, seeds: dict[str, SeqPos] | None = None, re
 def attention_length(graph: Graph, regions=()) -> int:
     """The sequence length attention sees (the same for every attention op, else an error)."""
     lengths = {}
-    var = {o.name: o for e in graph.eqns for o in e.outputs}
-    var.update({v.name: v for v in graph.inputs})
     for r in regions:
-        lengths[var[r.q].shape[-2]] = r
+        lengths[r.q.shape[-2]] = r
     for e in graph.eqns:
         if e.op.name == "attention":
             q, k = e.inputs[0], e.inputs[1]

@@ -321,12 +321,9 @@ def region_rule(ctx: ShardCtx, graph, region) -> None:
     is exactly L), the region's equations run on h/P heads over the full sequence, the output comes
     back to `b h (sp s) d` in one all-to-all. Values from outside the region (masks, biases) are read
     whole, cut to this rank's heads where they have a head dim."""
-    var = {o.name: o for e in graph.eqns for o in e.outputs}
-    var.update({v.name: v for v in graph.inputs})
     eqns = [graph.eqns[k] for k in sorted(region.eqns)]
-    last = graph.eqns[region.last]
-    where = last.source
-    q_old, k_old, v_old = var[region.q], var[region.k], var[region.v]
+    where = graph.eqns[region.last].source
+    q_old, k_old, v_old = region.q, region.k, region.v
     q, k, v = (ctx.as_sharded(t, where) for t in (q_old, k_old, v_old))
     for name, t in (("query", q), ("key", k), ("value", v)):
         if t.layout is None or t.layout.dim != t.ndim - 2:
@@ -343,7 +340,7 @@ def region_rule(ctx: ShardCtx, graph, region) -> None:
     q2, k2, v2 = ctx.emit(C.all_to_all, ([q, k, v], hdim, hdim + 1, ctx.mesh.sp_group), source=where)
     if q2.shape[-2] != length:                          # padded chunks: inside, exactly L positions
         q2, k2, v2 = (ctx.emit(aten.narrow.default, (t, t.ndim - 2, 0, length), source=where) for t in (q2, k2, v2))
-    local = {region.q: q2, region.k: k2, region.v: v2}
+    local = {region.q.name: q2, region.k.name: k2, region.v.name: v2}
     heads = q_old.shape[hdim]
 
     def outside(x: Var) -> Var:
@@ -360,13 +357,13 @@ def region_rule(ctx: ShardCtx, graph, region) -> None:
         outs = outs if isinstance(outs, tuple) else (outs,)
         for o, n in zip(e.outputs, outs):
             local[o.name] = n
-    out = local[region.out]
+    out = local[region.out.name]
     padded = q.layout.chunk * p
     if padded != length:                                # back to whole chunks for the all-to-all
         out = ctx.emit(aten.constant_pad_nd.default, (out, [0, 0, 0, padded - length]), source=where)
     (o,) = ctx.emit(C.all_to_all, ([out], hdim + 1, hdim, ctx.mesh.sp_group), source=where,
                     layouts=[Layout(out.ndim - 2, length, q.layout.chunk)])
-    ctx.env[region.out] = o
+    ctx.env[region.out.name] = o
 
 
 def unrepeated_kv(ctx: ShardCtx, kv: Var) -> tuple[Var, int] | None:
