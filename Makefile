@@ -15,8 +15,10 @@ $(STAMP): setup.cfg pyproject.toml
 	$(VPY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# `autosp train` on 2 CPU ranks (torch.distributed.run), tiny preset, the stdlib's source as bytes
 demo: $(STAMP)
-	$(VPY) -m autosp.demo
+	rm -rf runs/demo
+	$(VPY) -m autosp train --model tiny --sp 2 --seq-len 512 --batch 4 --steps 200 --save-every 100 --out runs/demo
 
 test: $(STAMP)
 	$(VPY) -m pytest

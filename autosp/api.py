@@ -271,9 +271,38 @@ def explain(fn, mesh, *args, in_specs=None, memory_budget=None, host_bandwidth=N
     head = (f"# autosp.explain: sp={mesh_info(mesh).sp_size}, {len(graph.eqns)} global equations -> "
             f"{len(local.eqns)} per-rank, collectives: "
             + ", ".join(f"{n}x{sum(e.op.name == n for e in colls)}" for n in sorted({e.op.name for e in colls})))
-    parts = [head, str(graph), str(local)]
+    parts = [head, attention_summary(local, _device_of(args)), str(graph), str(local)]
     if memory_budget is not None:
         from autosp.remat import plan_step
         plan, program, _, _ = plan_step(local, memory_budget, device=_device_of(args), host_bandwidth=host_bandwidth)
         parts += [str(plan), str(program.forward), str(program.backward)]
     return "\n\n".join(parts)
+
+
+def attention_summary(local: Graph, device: str) -> str:
+    """One line per attention of the per-rank program: what its mask is and what runs it."""
+    from autosp.passes.shard_rules import bind_schema
+    lines = ["# attention"]
+    for e in local.eqns:
+        where = f" at {e.source}" if e.source else ""
+        if e.op.name == "masked_attention":
+            args = e.var_args()[0]
+            leaves = ", ".join(f"x{i}: {v.type_str()}" for i, v in enumerate(args[3]))
+            from autosp.kernels.masked import describe
+            kernel = describe(args[4], device, args[3])
+            lines.append(f"  masked_attention{where}: mask = {args[4]}{'  [' + leaves + ']' if leaves else ''}; "
+                         f"no s x s tensor, memory O(block * s); {kernel}")
+        elif e.op.name == "flash_attention":
+            lines.append(f"  flash_attention{where}: {'causal' if e.var_args()[0][3] else 'no mask'}, autosp's Triton "
+                         "kernel (the GPU check measured it faster than SDPA at this shape)")
+        elif e.op.name == "attention" and e.op.target is torch.ops.aten.scaled_dot_product_attention.default:
+            b = bind_schema(e)
+            mask = b.get("attn_mask")
+            if mask is not None:
+                lines.append(f"  sdpa{where}: mask materialised as a tensor {mask.type_str()}: O(s^2) memory per rank "
+                             "(not a function of per-query and per-key vectors)")
+            else:
+                why = (" (no GPU check measured autosp's Triton kernel faster at this shape)"
+                       if device == "cuda" else "")
+                lines.append(f"  sdpa{where}: {'causal' if b.get('is_causal') else 'no mask'}, SDPA's fused kernel{why}")
+    return "\n".join(lines) if len(lines) > 1 else "# attention: none"

@@ -3,6 +3,7 @@
     python bench/bench_kernels.py check           # correctness at real sizes vs float64 (bf16/fp16/fp32)
     python bench/bench_kernels.py table [--out F] # TFLOP/s fwd/bwd: autosp Triton vs SDPA FLASH and cuDNN
     python bench/bench_kernels.py a2a [--out F]   # Ulysses pack/unpack bandwidth vs a plain copy
+    python bench/bench_kernels.py masked [--out F]  # masked_attention's kernel: packed documents vs causal
     python bench/bench_kernels.py all
 
 The table: causal, d=128, bf16, MHA (32/32 heads) and GQA 4:1 (32/8), s = 2k..32k at
@@ -10,12 +11,22 @@ The table: causal, d=128, bf16, MHA (32/32 heads) and GQA 4:1 (32/8), s = 2k..32
 forward 4*b*h*s^2*d/2 for causal, backward 2.5x that. Times are triton.testing.do_bench
 means (L2 flushed). SDPA backends are pinned with torch.nn.attention.sdpa_kernel; a backend
 that refuses GQA gets K/V expanded to MHA outside the timed region (marked *).
-Without a GPU, `check` and `a2a` run small shapes through the Triton interpreter (smoke test).
+`check` holds each case to autosp.kernels.reference's bounds against float64: the relative norm
+within TOL[dtype], and the worst element within 2x SDPA's own on the same inputs (max_err_bounds).
+`check` also holds masked_attention's Triton path (packed documents, with and without padding) to the same
+bounds against its float64 blockwise path, SDPA with the dense mask giving the worst-element bound.
+`masked`: forward and backward ms of packed documents (the mask (k <= q) & (doc[q] == doc[k]), random
+document lengths) against plain causal flash attention at the same total length, bf16, d=128, 32/8
+heads, with the fraction of causal's tiles the documents leave (flash.visited_tiles) and the ideal
+sum(doc_len^2) / s^2; "one document" runs the same terms kernel with a single document (its cost
+over the plain kernel).
+Without a GPU, `check`, `a2a` and `masked` run small shapes through the Triton interpreter (smoke test).
 """
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,19 +34,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from autosp.kernels import ulysses_pack, ulysses_pack_out, ulysses_unpack, ulysses_unpack_out
-from autosp.kernels.flash_torch import math_backward, math_forward
-from autosp.kernels.tuning import attention_inputs, bench_graph_ms, bench_ms
-
 CUDA = torch.cuda.is_available()
+if not CUDA:  # the interpreter must be chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from autosp.kernels import flash, ulysses_pack, ulysses_pack_out, ulysses_unpack, ulysses_unpack_out  # noqa: E402
+from autosp.kernels.flash import flash_attention_with_lse  # noqa: E402
+from autosp.kernels.maskfn import dense_mask  # noqa: E402
+from autosp.kernels.maskterms import TileMask, recognise  # noqa: E402
+from autosp.kernels.reference import (FLOOR, SDPA_FACTOR, TOL, attention_f64, max_err, max_err_bounds,  # noqa: E402
+                                      rel_norm as rel)
+from bench.autotune import attention_inputs, bench_graph_ms, bench_ms  # noqa: E402
+
 DEV = torch.device("cuda" if CUDA else "cpu")
-TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3, torch.float32: 1e-5}
-
-
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    n = b.norm()
-    return ((a - b).norm() / (n if n > 0 else 1)).item()
 
 
 # ---------------------------------------------------------------- check
@@ -61,33 +73,137 @@ def check_cases():
 
 def check_attention() -> bool:
     ok = True
-    print(f"{'case':44s} {'out':>8s} {'lse':>8s} {'dq':>8s} {'dk':>8s} {'dv':>8s} {'sdpa out':>9s}  tol")
+    print(f"{'case':44s} {'out':>8s} {'lse':>8s} {'dq':>8s} {'dk':>8s} {'dv':>8s}  tol    "
+          f"worst element / bound (out dq dk dv)")
     for b, hq, hkv, s, d, causal, dt, model_layout in check_cases():
         q, k, v, do = attention_inputs(b, hq, hkv, s, d, dt, DEV, seed=s + d)
         if model_layout:
             q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         t0 = time.time()
-        out, lse = torch.ops.autosp.flash_attention(*leaves, causal, None, "triton")
+        out, lse = flash_attention_with_lse(*leaves, causal, None, "triton")
         torch.autograd.backward(out, do)
         scale = 1 / math.sqrt(d)
-        q64, k64, v64 = (t.double() for t in (q, k, v))
-        ref, ref_lse = math_forward(q64, k64, v64, causal, scale)
-        grads = math_backward(do.double(), q64, k64, v64, ref, ref_lse, None, causal, scale)
+        ref, ref_lse, *grads = attention_f64(q, k, v, causal, scale, do=do)
         errs = [rel(out, ref), rel(lse, ref_lse)] + [rel(t.grad, g) for t, g in zip(leaves, grads)]
-        try:
-            sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hkv != hq)
-            sdpa_err = f"{rel(sdpa, ref):9.1e}"
-        except RuntimeError:
-            sdpa_err = f"{'n/a':>9s}"
-        good = all(e <= TOL[dt] for e in errs)
+        bound = max_err_bounds(q, k, v, do, causal, scale, (ref, *grads))
+        worst = [max_err(out, ref)] + [max_err(t.grad, g) for t, g in zip(leaves, grads)]
+        ratios = [w / bound[n] for w, n in zip(worst, ("out", "q", "k", "v"))]
+        good = all(e <= TOL[dt] for e in errs) and all(r <= 1 for r in ratios)
         ok &= good
         name = (f"b{b} h{hq}/{hkv} s{s} d{d} {'causal' if causal else 'full'} {str(dt)[6:]}"
                 f"{' [b,s,h,d]' if model_layout else ''}")
-        print(f"{name:44s} " + " ".join(f"{e:8.1e}" for e in errs) + f" {sdpa_err}  {TOL[dt]:.0e} "
-              f"{'ok' if good else 'FAIL'} ({time.time() - t0:.1f}s)", flush=True)
+        print(f"{name:44s} " + " ".join(f"{e:8.1e}" for e in errs) + f"  {TOL[dt]:.0e}  "
+              + " ".join(f"{r:4.2f}" for r in ratios) + f"  {'ok' if good else 'FAIL'} ({time.time() - t0:.1f}s)",
+              flush=True)
         del leaves, out, lse, ref, grads
+        if CUDA:
+            torch.cuda.empty_cache()
     return ok
+
+
+DOCS = "((k <= q) & (x0[q] == x1[k]))"
+
+
+def packed_ids(s: int, mean: int, seed: int = 0) -> torch.Tensor:
+    """[1, s] document ids, lengths uniform in [1, 2 * mean) (length-1 documents included)."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = []
+    while sum(sizes) < s:
+        sizes.append(int(torch.randint(1, 2 * mean, (), generator=g)))
+    return torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))[:s][None]
+
+
+def _masked_op(mask, leaves, valid_len, backend):
+    from autosp.kernels.masked import _differentiable_op
+    return lambda q, k, v: _differentiable_op(q, k, v, leaves, mask, None, valid_len, backend)
+
+
+def check_masked() -> bool:
+    """masked_attention's Triton path against its blockwise path in float64 (module docstring)."""
+    bf, fp = torch.bfloat16, torch.float16
+    b, hq, hkv, s, d = (1, 16, 4, 4095, 128) if CUDA else (1, 2, 1, 100, 32)
+    ids = packed_ids(s, s // 8 if CUDA else 24).to(DEV)
+    # one compiled variant on a GPU (the mask's form, dtype and head dim), the one `masked` times too
+    docs = [ids[:, :, None], ids[:, None, :]]
+    cases = [("packed documents", DOCS, docs, s, bf if CUDA else fp),
+             ("packed documents + padding", DOCS, docs, s - s // 16, bf if CUDA else fp)]
+    ok = True
+    for name, mask, leaves, valid_len, dt in cases:
+        q, k, v, do = attention_inputs(b, hq, hkv, s, d, dt, DEV, seed=s)
+        t0 = time.time()
+        got = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out, lse = _masked_op(mask, leaves, valid_len, "triton")(*got)
+        torch.autograd.backward(out, do)
+        ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref, ref_lse = _masked_op(mask, leaves, valid_len, "torch")(*ref_in)
+        torch.autograd.backward(ref, do.double())
+        keep = dense_mask(mask, leaves, s) & (torch.arange(s, device=DEV) < valid_len)
+        sdpa_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        sdpa = F.scaled_dot_product_attention(*sdpa_in, attn_mask=keep[:, None], enable_gqa=True)
+        sdpa.backward(do)
+        finite = ref_lse.isfinite()
+        errs = [rel(out, ref), rel(lse[finite], ref_lse[finite])] + [rel(a.grad, r.grad) for a, r in zip(got, ref_in)]
+        worst = [max_err(out, ref)] + [max_err(a.grad, r.grad) for a, r in zip(got, ref_in)]
+        bound = [max(SDPA_FACTOR * max_err(x, r), FLOOR[dt])
+                 for x, r in zip([sdpa] + [a.grad for a in sdpa_in], [ref] + [r.grad for r in ref_in])]
+        good = all(e <= TOL[dt] for e in errs) and all(w <= bnd for w, bnd in zip(worst, bound))
+        ok &= good
+        print(f"{'masked ' + name + ' ' + str(dt)[6:]:44s} " + " ".join(f"{e:8.1e}" for e in errs)
+              + f"  {TOL[dt]:.0e}  " + " ".join(f"{w / bnd:4.2f}" for w, bnd in zip(worst, bound))
+              + f"  {'ok' if good else 'FAIL'} ({time.time() - t0:.1f}s)", flush=True)
+        del got, out, lse, ref_in, ref, sdpa_in, sdpa
+        if CUDA:
+            torch.cuda.empty_cache()
+    return ok
+
+
+def masked_table(out_path: Path | None, rep_ms: int) -> str:
+    """Packed documents against plain causal at the same total length (module docstring)."""
+    seqs, mean = ([8192, 32768], 2048) if CUDA else ([128], 24)
+    hq, hkv, d, dt = (32, 8, 128, torch.bfloat16) if CUDA else (2, 1, 32, torch.float16)
+    lines = [f"masked_attention (Triton terms kernel) vs plain causal flash attention, {str(dt)[6:]}, d={d}, "
+             f"heads {hq}/{hkv}, b=1, documents of random length (mean {mean}), "
+             f"{torch.cuda.get_device_name() if CUDA else 'cpu (interpreter smoke test)'}", "",
+             "| s | docs | sum(len^2)/s^2 | tiles vs causal | causal fwd ms | bwd ms | one document fwd | bwd "
+             "| packed fwd ms | bwd ms | packed speed-up fwd | bwd |", "|" + "---|" * 12]
+    for s in seqs:
+        q, k, v, do = attention_inputs(1, hq, hkv, s, d, dt, DEV, seed=s)
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        ids = packed_ids(s, mean, seed=s).to(DEV)
+        lengths = torch.bincount(ids[0]).double()
+        one = torch.zeros_like(ids)
+        bm, bn = 128, 64
+        tiles = TileMask.build(recognise(DOCS), [ids[:, :, None], ids[:, None, :]], s, s, DEV)
+        causal_tiles = sum(-(-min((i + 1) * bm, s) // bn) for i in range(-(-s // bm)))
+        frac = int(flash.visited_tiles(tiles, bm, bn).sum()) / causal_tiles
+        res = {}
+        for name, fn in (("causal", lambda *t: flash_attention_with_lse(*t, True, None, "triton")),
+                         ("one", _masked_op(DOCS, [one[:, :, None], one[:, None, :]], s, "triton")),
+                         ("packed", _masked_op(DOCS, [ids[:, :, None], ids[:, None, :]], s, "triton"))):
+            try:
+                res[name] = time_impl(lambda fn=fn: fn(*leaves), leaves, do, rep_ms)
+            except Exception as e:
+                print(f"{name} failed at s={s}: {type(e).__name__}: {e}", flush=True)
+        cell = {n: (f"{res[n][0]:.2f}", f"{res[n][1]:.2f}") if n in res else ("n/a", "n/a") for n in ("causal", "one",
+                                                                                                      "packed")}
+        speed = [f"{res['causal'][i] / res['packed'][i]:.1f}x" if {"causal", "packed"} <= set(res) else "n/a"
+                 for i in (0, 1)]
+        lines.append(f"| {s} | {len(lengths)} | {float((lengths ** 2).sum()) / s ** 2:.3f} | {frac:.3f} | "
+                     f"{' | '.join(cell['causal'])} | {' | '.join(cell['one'])} | {' | '.join(cell['packed'])} | "
+                     f"{speed[0]} | {speed[1]} |")
+        print(lines[-1], flush=True)
+        leaves.clear()
+        del q, k, v, do
+        if CUDA:
+            torch.cuda.empty_cache()
+    lines += ["", "tiles vs causal: key tiles the packed mask leaves to compute (forward tiling 128 x 64) over "
+              "plain causal's; one document: the terms kernel with a single document (its cost over the plain "
+              "kernel)."]
+    text = "\n".join(lines)
+    if out_path:
+        out_path.write_text(text + "\n")
+    return text
 
 
 def check_a2a() -> bool:
@@ -286,7 +402,7 @@ def a2a_bench(out_path: Path | None, rep_ms: int) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["check", "table", "a2a", "all"])
+    p.add_argument("what", choices=["check", "table", "a2a", "masked", "all"])
     p.add_argument("--out", type=Path, default=None, help="also write the table here")
     p.add_argument("--rep-ms", type=int, default=100 if CUDA else 1)
     a = p.parse_args(argv)
@@ -295,12 +411,15 @@ def main(argv=None) -> int:
     ok = True
     if a.what in ("check", "all"):
         ok &= check_attention()
+        ok &= check_masked()
         ok &= check_a2a()
         print("CHECK", "PASSED" if ok else "FAILED", flush=True)
     if a.what in ("a2a", "all"):
         print(a2a_bench(a.out if a.what == "a2a" else None, a.rep_ms), flush=True)
     if a.what in ("table", "all"):
         print(table(a.out if a.what == "table" else None, a.rep_ms), flush=True)
+    if a.what in ("masked", "all"):
+        print(masked_table(a.out if a.what == "masked" else None, a.rep_ms), flush=True)
     return 0 if ok else 1
 
 

@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # GPU check of autosp's kernels: one command, installs nothing (no network needed), budgeted to finish
-# in under 7 minutes on an H200 with a cold Triton cache (not yet run on one).
+# in under 8 minutes on an H200 with a cold Triton cache (not yet run on one).
 #
 #   bash bench/gpu_check.sh OUT_DIR        # from the repo root; the repo need not be pip-installed
 #
 #  1. environment (GPU, torch, triton)
 #  2. correctness at real sizes against float64 (bf16 / fp16 / fp32; a kernel's worst element within
 #     2x SDPA's own), in parallel with the CUDA tests in tests/gpu/
-#  3. quick autotuning (bench/autotune_attention.py, bench/autotune_a2a.py; every candidate checked
+#  3. quick autotuning (bench/autotune.py: attention, then the Ulysses copy; every candidate checked
 #     against float64 before it is timed) into OUT_DIR/kernel_configs.json, which later steps read
 #  4. Ulysses pack/unpack bandwidth against a plain copy
 #  5. TFLOP/s forward and backward against SDPA's FLASH and cuDNN backends -- printed last
+#  6. masked_attention's kernel: packed documents against plain causal at the same length
 #
-# OUT_DIR holds at most 6 files: logs.tar.gz (every step's log), summary.txt, kernel_configs.json,
-# a2a_table.md, attention_table.md (and the tarball's listing is in summary.txt). Each step has its
-# own time limit inside a total budget (GPU_CHECK_BUDGET seconds, default 400); a step that runs out
+# OUT_DIR holds at most 7 files: logs.tar.gz (every step's log), summary.txt, kernel_configs.json,
+# a2a_table.md, attention_table.md, masked_table.md (and the tarball's listing is in summary.txt).
+# Each step has its own time limit inside a total budget (GPU_CHECK_BUDGET seconds, default 450); a step that runs out
 # of time, or finds no time left, is named as cut. Exit status: 0 only if every step passed.
 set -uo pipefail
 
@@ -27,8 +28,9 @@ trap 'rm -rf "$LOGS"' EXIT
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export AUTOSP_KERNEL_CONFIGS="$OUT/kernel_configs.json"
 export TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}"  # silence 3.9's warning; 3.6 ignores it
+unset TRITON_INTERPRET  # compiled kernels (the scripts set it themselves where there is no GPU)
 PY="${PYTHON:-python3}"
-BUDGET="${GPU_CHECK_BUDGET:-400}"
+BUDGET="${GPU_CHECK_BUDGET:-450}"
 START=$SECONDS
 STATUS=()
 FAILED=()
@@ -90,12 +92,13 @@ grep -E "ok|FAIL|PASSED|FAILED|triton ==" "$LOGS/check.log" | sed 's/^/   | /'
 tail -n 3 "$LOGS/pytest_cuda.log" | sed 's/^/   | /'
 
 # 3. quick autotuning at two lengths; other lengths use the nearest tuned bucket.
-run_step autotune_attention 90 "$PY" bench/autotune_attention.py --seqs 4096,16384 --rep-ms 25
-run_step autotune_a2a 25 "$PY" bench/autotune_a2a.py --s-locs 8192 --rep-ms 20
+run_step autotune_attention 90 "$PY" bench/autotune.py --kernels fwd,bwd --seqs 4096,16384 --rep-ms 25
+run_step autotune_a2a 25 "$PY" bench/autotune.py --kernels copy --s-locs 8192 --rep-ms 20
 
 # 4, 5. benchmarks (tuned configs from step 3)
 run_step a2a 35 "$PY" bench/bench_kernels.py a2a --out "$OUT/a2a_table.md"
 run_step table 90 "$PY" bench/bench_kernels.py table --out "$OUT/attention_table.md"
+run_step masked 45 "$PY" bench/bench_kernels.py masked --out "$OUT/masked_table.md"
 
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
 {
@@ -106,6 +109,7 @@ tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
   echo
   [ -f "$OUT/a2a_table.md" ] && cat "$OUT/a2a_table.md"
   echo
+  [ -f "$OUT/masked_table.md" ] && cat "$OUT/masked_table.md" && echo
   if [ -f "$OUT/attention_table.md" ]; then
     cat "$OUT/attention_table.md"
   else

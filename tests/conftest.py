@@ -1,9 +1,14 @@
 import os
 
 import pytest
-import torch
+import torch  # does not import triton (torch.utils.flop_counter, which `import autosp` loads, does)
 
 os.environ.setdefault("AUTOSP_CHECKS", "1")
+# Without a GPU, the Triton kernels run on CPU tensors in Triton's interpreter, which must be chosen
+# before triton is first imported (autosp/kernels/_triton.py); spawned test processes inherit it.
+# With a GPU the kernels compile, and tests/gpu runs them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,6 @@
-"""Launch configurations of the Triton kernels: defaults, the autotuned JSON cache, overrides.
+"""Launch configurations of the Triton kernels: defaults, the autotuned JSON cache (read only), overrides.
 
-The cache is a JSON file written by `bench/autotune_attention.py` and
-`bench/autotune_a2a.py`:
+The cache is a JSON file written by `bench/autotune.py` (the only writer):
 
     {"version": 1, "entries": {"flash_fwd|NVIDIA H200|bfloat16|d128|causal|s8192":
                                 {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}}}
@@ -14,7 +13,7 @@ nearest tuned sequence bucket (a block size tuned at 8k is a better guess at
 16k than the default), the defaults below. An entry that breaks a kernel's
 constraints is ignored rather than trusted, so a stale cache never breaks a run. The file is
 read once per process and each choice remembered: a launch costs a dict lookup (`reload()`
-forgets both).
+forgets both; a writer calls it after writing).
 """
 from __future__ import annotations
 
@@ -22,7 +21,6 @@ import contextlib
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -60,7 +58,7 @@ def cache_path() -> Path:
 
 def load_cache(path: Path | None = None) -> dict:
     """The cache's entries ({} when there is no file or it is unreadable); the file is read once
-    per process (a launch must not stat or parse it), again after save_entries or reload()."""
+    per process (a launch must not stat or parse it), again after reload()."""
     path = str(path or cache_path())
     if path not in _loaded:
         try:
@@ -75,21 +73,6 @@ def reload() -> None:
     """Forget what was read: the next lookup reads the cache file again."""
     _loaded.clear()
     _chosen.clear()
-
-
-def save_entries(entries: dict[str, dict], path: Path | None = None) -> Path:
-    """Merge `entries` into the cache file, atomically (autotuners may run side by side)."""
-    path = path or cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    merged = dict(load_cache(path))
-    merged.update(entries)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"version": 1, "entries": dict(sorted(merged.items()))}, f, indent=1)
-    os.replace(tmp, path)
-    _loaded[str(path)] = merged
-    _chosen.clear()
-    return path
 
 
 def _pow2(x) -> bool:
@@ -163,6 +146,21 @@ def _choose(kernel, device, name, dtype, head_dim, causal, seq_len) -> dict:
     if cfg is not None and is_valid(kernel, cfg):
         return {k: cfg[k] for k in PARAMS[kernel]}
     return default_config(kernel, device, dtype, head_dim)
+
+
+def measured_speedup(device_name: str, dtype: torch.dtype, head_dim: int, causal: bool, seq_len: int) -> float | None:
+    """SDPA's time over autosp's flash kernels' (forward + backward) at this shape, as the GPU check
+    measured it ("flash_vs_sdpa" entries: {"speedup": x}), at the nearest measured length; None when
+    nothing was measured on this device. The sharding pass uses the kernels only where this is > 1."""
+    entries = load_cache()
+    key = cache_key("flash_vs_sdpa", device_name, dtype, head_dim, causal, seq_len)
+    prefix, want = key.rsplit("|s", 1)
+    near = [(abs(math.log2(int(b) / int(want))), k) for k in entries
+            for p, b in [k.rsplit("|s", 1)] if p == prefix and b.isdigit()]
+    if not near:
+        return None
+    x = entries[min(near)[1]].get("speedup") if isinstance(entries[min(near)[1]], dict) else None
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) and x > 0 else None
 
 
 @contextlib.contextmanager

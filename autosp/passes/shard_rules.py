@@ -7,6 +7,7 @@ canonical op name; `rule_for` gives the explicit default.
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable
 
 import torch
@@ -17,6 +18,7 @@ from autosp.errors import ShardError
 from autosp.ir.core import Eqn, Var
 from autosp.ir.ops import Tag
 from autosp.layout import Layout
+from autosp.passes.masks import mask_function
 from autosp.passes.shard_ctx import ShardCtx
 
 aten = torch.ops.aten
@@ -297,6 +299,14 @@ def attention_rule(ctx: ShardCtx, e: Eqn) -> None:
         # the user's mask is the causal one (HF builds it when the cache is off): the flash path,
         # and the s x s mask is never built (its equations are dead code)
         mask, is_causal = None, True
+    if mask is not None and not b["dropout_p"] and os.environ.get("AUTOSP_MASK_FUNCTIONS", "1") != "0":
+        fn = mask_function(ctx.graph, mask, length, math.prod(q_old.shape[:-3]), ctx.constant_value)
+        if fn is not None:         # the mask as a function of O(s) leaves: no s x s tensor on any rank
+            o2 = _masked_attention(ctx, e, fn, (q2, k2, v2), length, padded, b["scale"])
+            (o,) = ctx.emit(C.all_to_all, ([o2], hdim + 1, hdim, ctx.mesh.sp_group), source=e.source,
+                            layouts=[Layout(q.ndim - 2, length, q.layout.chunk)])
+            ctx.env[e.outputs[0].name] = o
+            return
     if mask is not None:
         if mask.ndim >= 3 and mask.shape[-3] != 1:
             raise ShardError(f"{describe(ctx, e)}: a per-head attention mask ({mask.type_str()}) is not sharded "
@@ -306,6 +316,14 @@ def attention_rule(ctx: ShardCtx, e: Eqn) -> None:
             mask = ctx.emit(autosp_ops.pad_attn_mask, (mask, padded), source=e.source)
     elif padded > length and not is_causal:
         mask = ctx.emit(autosp_ops.key_padding_mask, (length, padded, torch.device(q.device)), source=e.source)
+    if mask is None and not b["dropout_p"] and (is_causal or padded == length) and _flash_is_faster(q2, is_causal):
+        # autosp's Triton kernel, where the GPU check measured it faster than SDPA at this shape
+        o2, _ = ctx.emit(torch.ops.autosp.flash_attention.default, (q2, k2, v2, is_causal, b["scale"], "auto"),
+                         source=e.source)
+        (o,) = ctx.emit(C.all_to_all, ([o2], hdim + 1, hdim, ctx.mesh.sp_group), source=e.source,
+                        layouts=[Layout(q.ndim - 2, length, q.layout.chunk)])
+        ctx.env[e.outputs[0].name] = o
+        return
     kw = {"attn_mask": mask, "dropout_p": b["dropout_p"], "is_causal": is_causal, "scale": b["scale"]}
     if gqa:
         kw["enable_gqa"] = True
@@ -313,6 +331,36 @@ def attention_rule(ctx: ShardCtx, e: Eqn) -> None:
     (o,) = ctx.emit(C.all_to_all, ([o2], hdim + 1, hdim, ctx.mesh.sp_group), source=e.source,
                     layouts=[Layout(q.ndim - 2, length, q.layout.chunk)])
     ctx.env[e.outputs[0].name] = o
+
+
+def _flash_is_faster(q: Var, causal: bool) -> bool:
+    """Whether autosp::flash_attention beats SDPA for these head-sharded inputs, by the GPU check's
+    measurement in the kernel config cache (kernels.config.measured_speedup); SDPA when unmeasured."""
+    device = torch.device(q.device)
+    if device.type != "cuda" or q.ndim != 4 or not torch.cuda.is_available():
+        return False
+    from autosp.kernels import config
+    from autosp.kernels._triton import device_name
+    speedup = config.measured_speedup(device_name(device), q.dtype, q.shape[-1], causal, q.shape[-2])
+    return speedup is not None and speedup > 1.0
+
+
+def _masked_attention(ctx: ShardCtx, e: Eqn, fn, qkv, length: int, padded: int, scale) -> Var:
+    """autosp::masked_attention on the head-sharded q, k, v: the mask's leaves replicated (O(b s)),
+    viewed [batch, Lq or 1, Lk or 1] and padded to whole chunks; keys past `length` are padding."""
+    leaves = []
+    for leaf, side in zip(fn.leaves, fn.sides):
+        t = ctx.as_replicated(leaf, e.source)
+        shape = (1, 1) + tuple(leaf.shape)
+        t = ctx.emit(aten.reshape.default, (t, [math.prod(shape[:-2]), shape[-2], shape[-1]]), source=e.source)
+        if padded > length and side:
+            pad = [0, 0, 0, padded - length] if side == "q" else [0, padded - length]
+            t = ctx.emit(aten.constant_pad_nd.default, (t, pad, 0), source=e.source)
+        leaves.append(t)
+    from autosp.kernels.masked import masked_attention_op
+    o2, _ = ctx.emit(masked_attention_op._opoverload, tuple(qkv) + (leaves, fn.expr, scale, length, "auto"),
+                     source=e.source)
+    return o2
 
 
 def region_rule(ctx: ShardCtx, graph, region) -> None:

@@ -30,7 +30,11 @@ from autosp.remat.template import tie, untie, variable_classes
 
 
 class BudgetError(AutospError):
-    """The memory budget cannot be met by any plan."""
+    """The memory budget cannot be met by any plan; `least_peak_bytes` is the smallest peak one reaches."""
+
+    def __init__(self, message: str, least_peak_bytes: int | None = None):
+        super().__init__(message)
+        self.least_peak_bytes = least_peak_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +241,7 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False,
                 f"autosp remat: memory_budget={budget!r} ({_fmt(target)} per rank) is below the smallest peak the "
                 f"planner reaches, {least_peak} bytes ({_fmt(least_peak)}, {least_peak / no_remat:.3f} of the "
                 f"no-remat peak {_fmt(no_remat)}). Fix: memory_budget={least_peak} or more (a fraction >= "
-                f"{least_peak / no_remat:.3f}), or more sequence-parallel ranks.")
+                f"{least_peak / no_remat:.3f}), or more sequence-parallel ranks.", least_peak_bytes=int(least_peak))
         best = least + (problem.objective(least[0]),)
     x, prog = best[0], best[1]
     return _describe(problem, joint, x, prog, no_remat, int(target), least_peak, device), prog

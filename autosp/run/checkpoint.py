@@ -1,0 +1,113 @@
+"""Checkpoints that survive a crash mid-save: torch.distributed.checkpoint into DIR/tmp-step-N,
+then one rename to DIR/step-N once every rank has written.
+
+    save(out, step, model, opt, extra)          # all ranks; returns DIR/step-N
+    path = latest(out)                          # the newest complete checkpoint, or None
+    extra = load(path, model, opt, extra_template)
+
+A folder named step-N exists only after DCP's metadata was written by every rank's plan and the
+rename happened, so `latest` never returns a half-written checkpoint; a leftover tmp-step-N is
+ignored (and replaced by the next save of step N). Model and optimizer states go through
+`torch.distributed.checkpoint.state_dict` (replicated tensors are written once); the training
+state (step, scheduler, data position) is one entry; each rank's RNG states are its own entry.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from autosp.run import faults
+
+_STEP = re.compile(r"step-(\d+)$")
+
+
+def _writer(path: str, step: int):
+    class Writer(dcp.FileSystemWriter):
+        """FileSystemWriter with the fault hook between this rank's data and the metadata."""
+
+        def write_data(self, plan, planner):
+            fut = super().write_data(plan, planner)
+            fut.wait()
+            faults.maybe_fail("save", step)
+            return fut
+    return Writer(path)
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _state(model, opt, extra: dict) -> dict:
+    msd, osd = get_state_dict(model, opt)
+    rank = dist.get_rank()
+    return {"model": msd, "optim": osd, "train": extra, f"rng.rank{rank}": rng_state()}
+
+
+def save(out: str, step: int, model, opt, extra: dict) -> str:
+    """Every rank: write step `step` to out/tmp-step-N, then rank 0 renames it to out/step-N."""
+    tmp, final = os.path.join(out, f"tmp-step-{step}"), os.path.join(out, f"step-{step}")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    dcp.save(_state(model, opt, extra), storage_writer=_writer(tmp, step))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if os.path.exists(final):                 # a finished run's step saved again: keep one copy
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    dist.barrier()
+    return final
+
+
+def checkpoints(out: str) -> list[tuple[int, str]]:
+    """(step, path) of the complete checkpoints in `out`, oldest first."""
+    if not os.path.isdir(out):
+        return []
+    found = []
+    for name in os.listdir(out):
+        m = _STEP.fullmatch(name)
+        path = os.path.join(out, name)
+        if m and os.path.isfile(os.path.join(path, ".metadata")):
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def latest(out: str) -> str | None:
+    found = checkpoints(out)
+    return found[-1][1] if found else None
+
+
+def load(path: str, model, opt, extra: dict) -> dict:
+    """Restore model, optimizer and this rank's RNG from `path`; returns the training state
+    (`extra` gives its structure)."""
+    state = _state(model, opt, extra)
+    rank = dist.get_rank()
+    key = f"rng.rank{rank}"
+    meta = dcp.FileSystemReader(path).read_metadata()
+    if not any(k.startswith(key) for k in meta.state_dict_metadata):
+        state.pop(key)                            # saved by fewer ranks: keep this rank's RNG as seeded
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if key in state:
+        set_rng_state(state[key])
+    return state["train"]

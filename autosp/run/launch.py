@@ -1,0 +1,197 @@
+"""Start the ranks of `autosp train` with torch's own launcher, and say clearly how a run failed.
+
+`launch(argv)` runs torch.distributed.run in this process (its elastic agent: rendezvous, one
+process per rank, `max_restarts=0`); each rank runs `python -m autosp.cli train ...` again and,
+finding RANK in its environment, trains. The same happens under a user's own `torchrun`.
+
+When a rank fails, the agent stops the others and raises ChildFailedError. A rank that fails
+writes torch's error file with two more facts (`record_failure`): when, to the microsecond, and
+whether its error was a collective losing its peer. The rank that failed first for a reason of
+its own is then named as the cause, not the ranks that only saw it go.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import time
+import traceback
+
+from autosp.errors import AutospError
+
+LAUNCHED = "AUTOSP_LAUNCHED"          # set for the ranks of our own launcher: it prints their errors
+
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out",
+              "timed out", "NCCL communicator was aborted", "Socket Timeout", "recvBytes", "sendBytes")
+
+
+def _peer_lost(exc: BaseException) -> bool:
+    import torch.distributed as dist
+    text = f"{type(exc).__name__}: {exc}"
+    return isinstance(exc, getattr(dist, "DistError", ())) or any(s in text for s in _PEER_LOST)
+
+
+def _own_error(exc: BaseException) -> tuple[BaseException, str, bool, dict]:
+    """(the error, its traceback, whether it only reports another rank's failure, {rank: (message,
+    traceback)} of the ranks it reports). A failed checkpoint raises CheckpointException on every rank,
+    carrying each failed rank's own error: the rank that failed may be stopped before it can say so."""
+    failures = getattr(exc, "failures", None)
+    if type(exc).__name__ == "CheckpointException" and isinstance(failures, dict):
+        told = {}
+        for r, (err, frames) in failures.items():
+            stack = "".join(traceback.format_list(frames or []) + traceback.format_exception_only(type(err), err))
+            told[int(r)] = (f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}",
+                            "Traceback (most recent call last):\n" + stack)
+        rank = int(os.environ.get("RANK", "-1"))
+        if rank in failures:
+            return failures[rank][0], told[rank][1], False, {}
+        return exc, "".join(traceback.format_exception(exc)), True, told
+    return exc, "".join(traceback.format_exception(exc)), _peer_lost(exc), {}
+
+
+def record_failure(exc: BaseException) -> None:
+    """Write torch elastic's error file for this rank (no-op outside torch.distributed.run)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    err, stack, lost, told = _own_error(exc)
+    text = str(err) if isinstance(err, AutospError) else (str(err).splitlines() or [""])[0]
+    data = {"message": {"message": f"{type(err).__name__}: {text}",
+                        "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time())),
+                                      "autosp_time": time.time(), "autosp_peer_lost": lost,
+                                      "autosp_reports": {str(r): list(v) for r, v in told.items()}}}}
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+def _extra(failure) -> dict:
+    data = failure.error_file_data
+    msg = data.get("message") if isinstance(data, dict) else None
+    return msg.get("extraInfo", {}) if isinstance(msg, dict) else {}
+
+
+def _what(failure) -> str:
+    if _stopped(failure):
+        return f"was stopped by the launcher (SIGTERM, exit code {failure.exitcode})"
+    if failure.exitcode < 0:
+        return f"was killed by {failure.signal_name()} (exit code {failure.exitcode})"
+    msg = failure.message
+    if isinstance(msg, dict):
+        msg = str(msg.get("message", msg))
+    if msg.startswith("To enable traceback"):
+        msg = "no error recorded (the process exited without raising)"
+    return f"exited with code {failure.exitcode}: {msg.strip()}"
+
+
+def _stopped(failure) -> bool:
+    """Stopped by the agent (SIGTERM) after another rank failed: a bystander, not a cause."""
+    return failure.exitcode == -signal.SIGTERM
+
+
+def _lost(failure) -> bool:
+    return bool(_extra(failure).get("autosp_peer_lost", False))
+
+
+def _time(failure) -> float:
+    return float(_extra(failure).get("autosp_time", failure.timestamp))
+
+
+def root_cause(failures: dict) -> int:
+    """The global rank that failed first for a reason of its own (a signal other than the agent's
+    SIGTERM, or an error that was not a collective losing its peer); else the first to fail."""
+    own = [r for r, f in failures.items() if not _lost(f) and not _stopped(f)]
+    pool = own or [r for r, f in failures.items() if not _stopped(f)] or list(failures)
+    return min(pool, key=lambda r: _time(failures[r]))
+
+
+def describe_failure(err, out: str | None, timeout: float | None = None) -> tuple[str, int]:
+    """(message, exit code) for a ChildFailedError of `autosp train`."""
+    from autosp.run.checkpoint import latest
+    failures = err.failures
+    cause = root_cause(failures)
+    f = failures[cause]
+    timed_out = _lost(f) and "imed out" in str(f.message)
+    if timed_out:
+        silent = [r for r, g in failures.items() if _stopped(g)]
+        who = (f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped answering "
+               "(still running, then stopped by the launcher)" if silent else "another rank stopped answering")
+        lines = [f"autosp train: rank {cause} timed out waiting for a collective"
+                 + (f" (--timeout {timeout:g} s)" if timeout else "") + f": {who}.", f"  rank {cause} {_what(f)}"]
+    elif f.exitcode == 2:                    # bad input found by the ranks (a model or budget autosp refuses)
+        msg = f.message.get("message", f.message) if isinstance(f.message, dict) else f.message
+        return f"autosp train: error (rank {cause}): {re.sub(r'^[A-Za-z]*Error: ', '', str(msg))}", 2
+    else:
+        reports = {} if not _lost(f) else {int(r): v for g in failures.values()
+                                           for r, v in _extra(g).get("autosp_reports", {}).items()}
+        if reports:                          # the failed rank was stopped before it wrote: another rank tells
+            named = min(reports)
+            status = f"; rank {named} {_what(failures[named])}" if named in failures else ""
+            lines = [f"autosp train: rank {named} failed: {reports[named][0]}",
+                     f"  (reported by rank {cause} through the checkpoint's collectives{status})"]
+            stack = reports[named][1]
+            cause = named if named in failures else cause
+        else:
+            lines = [f"autosp train: rank {cause} {_what(f)}"]
+            stack = _extra(f).get("py_callstack")
+        if stack:
+            lines.append("  its traceback:\n" + "\n".join("    " + s for s in stack.rstrip().splitlines()))
+    for rank in sorted(failures):
+        g = failures[rank]
+        if rank == cause or (timed_out and _stopped(g)):
+            continue
+        why = " (it saw another rank fail)" if _lost(g) else ""
+        lines.append(f"  then rank {rank} {_what(g)[:300]}{why}")
+    lines.append("The other ranks were stopped.")
+    if out is not None and f.exitcode != 2:
+        ckpt = latest(out)
+        lines.append(f"Last complete checkpoint: {ckpt} (continue with --resume)." if ckpt else
+                     "No complete checkpoint was written yet.")
+    code = 2 if f.exitcode == 2 else (f.exitcode if f.exitcode > 0 else 128 - f.exitcode)
+    return "\n".join(lines), code
+
+
+def launcher_args(a, argv: list[str]) -> list[str]:
+    """torch.distributed.run's command line for `autosp train` with these arguments."""
+    world = a.sp * a.dp
+    nnodes = a.nnodes
+    nproc = a.nproc_per_node
+    if nproc is None:
+        nproc = world // int(str(nnodes).split(":")[-1])
+    args = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--max-restarts", "0",
+            "--monitor-interval", "0.1"]
+    for flag in ("node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "master_addr",
+                 "master_port"):
+        value = getattr(a, flag)
+        if value is not None:
+            args += ["--" + flag.replace("_", "-"), str(value)]
+    if a.log_dir:
+        args += ["--log-dir", a.log_dir]
+    return args + ["-m", "autosp.cli"] + argv
+
+
+def launch(a, argv: list[str]) -> int:
+    """Run `autosp train` on its ranks; the exit code of the whole run."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+    if not a.verbose:
+        for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    os.environ[LAUNCHED] = "1"
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, a.nproc_per_node or
+                                                                                    a.sp * a.dp))))
+    targs = get_args_parser().parse_args(launcher_args(a, argv))
+    try:
+        run(targs)
+    except ChildFailedError as err:
+        msg, code = describe_failure(err, a.out, a.timeout)
+        print(msg, file=sys.stderr, flush=True)
+        return code
+    except SignalException as sig:
+        print(f"autosp train: stopped by {signal.Signals(sig.sigval).name}; the ranks were stopped.",
+              file=sys.stderr, flush=True)
+        return 128 + int(sig.sigval)
+    return 0

@@ -1,0 +1,148 @@
+"""Models by name: built-in Llama-style presets, or a Hugging Face config (file or folder).
+
+    cfg = model_config("tiny")                  # or "llama-3.1-8b", or "path/to/config.json", or a folder
+    model = build_model(cfg, seed=0)            # random init, the same on every rank for the same seed
+    model = build_model(cfg, seed=0, weights="path/to/folder")   # the folder's safetensors
+
+Presets are shapes: `tiny` and `small` train on CPU; the Llama 3 shapes are for `autosp plan`
+(training them randomly initialised works too, on hardware that holds them). No network is used.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from autosp.errors import AutospError
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tie: bool = False
+    rope_theta: float = 10000.0
+    max_positions: int = 131072
+    about: str = ""
+
+
+# Byte-level presets (vocab 256) train on the default corpus; the Llama 3 shapes are the published
+# configurations' sizes (RoPE scaling left out: it changes no shape and no byte of memory).
+PRESETS = {
+    "tiny": Preset(128, 384, 4, 4, 2, 256, about="0.8M parameters, byte-level; seconds per step on 2 CPU cores"),
+    "small": Preset(512, 1536, 8, 8, 4, 256, about="25M parameters, byte-level"),
+    "llama-3.2-1b": Preset(2048, 8192, 16, 32, 8, 128256, tie=True, rope_theta=500000.0, about="Llama 3.2 1B shape"),
+    "llama-3.2-3b": Preset(3072, 8192, 28, 24, 8, 128256, tie=True, rope_theta=500000.0, about="Llama 3.2 3B shape"),
+    "llama-3.1-8b": Preset(4096, 14336, 32, 32, 8, 128256, rope_theta=500000.0, about="Llama 3.1 8B shape"),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str              # what the user passed
+    config: object         # a transformers PretrainedConfig
+    weights: str | None    # a folder with safetensors, or None (random init)
+
+    @property
+    def vocab(self) -> int:
+        return int(self.config.vocab_size)
+
+
+def _hf_config(p: Preset):
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=p.vocab, hidden_size=p.hidden, intermediate_size=p.intermediate,
+                       num_hidden_layers=p.layers, num_attention_heads=p.heads, num_key_value_heads=p.kv_heads,
+                       max_position_embeddings=p.max_positions, tie_word_embeddings=p.tie,
+                       rope_theta=p.rope_theta, attn_implementation="sdpa")
+
+
+def model_config(name: str, *, layers: int | None = None) -> ModelSpec:
+    """The config for a preset name or a path; `layers` overrides the depth (planning probes)."""
+    if name in PRESETS:
+        cfg = _hf_config(PRESETS[name])
+        weights = None
+    else:
+        cfg, weights = _config_from_path(name)
+    if layers is not None:
+        cfg = cfg.__class__(**{**cfg.to_dict(), "num_hidden_layers": layers})
+    cfg._attn_implementation = "sdpa"
+    return ModelSpec(name, cfg, weights)
+
+
+def _config_file(path: str) -> str:
+    """The config.json a --model path names, or an AutospError that says what to pass."""
+    choices = ", ".join(PRESETS)
+    if not os.path.exists(path):
+        raise AutospError(f"--model {path}: no such preset or path. Fix: pass one of the presets ({choices}), "
+                          "a Hugging Face config.json, or a folder that holds one.")
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise AutospError(f"--model {path}: the folder has no config.json. Fix: point --model at a Hugging Face "
+                          f"model folder (config.json, optionally *.safetensors) or at a config.json file.")
+    return file
+
+
+def peek_vocab(name: str) -> int:
+    """The vocabulary size of a preset or config path, read without importing transformers (the
+    launcher checks the data against it before starting any rank)."""
+    if name in PRESETS:
+        return PRESETS[name].vocab
+    file = _config_file(name)
+    try:
+        with open(file) as f:
+            raw = json.load(f)
+        return int(raw["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise AutospError(f"--model {name}: {file} is not a model config with a vocab_size ({type(exc).__name__}: "
+                          f"{exc}). Fix: pass a Hugging Face config.json (model_type, vocab_size, ...).") from None
+
+
+def _config_from_path(path: str):
+    file = _config_file(path)
+    folder = os.path.dirname(file) or "."
+    from transformers import AutoConfig
+    try:
+        cfg = AutoConfig.from_pretrained(folder if os.path.isdir(path) else file, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - any parse failure is the user's file
+        raise AutospError(f"--model {path}: transformers cannot read {file} as a model config ({exc}). "
+                          "Fix: pass a Hugging Face config.json with a 'model_type'.") from None
+    weights = folder if os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(folder)) else None
+    return cfg, weights
+
+
+def build_model(spec: ModelSpec, *, seed: int = 0, device: str = "cpu", dtype=None):
+    """A causal LM for the spec: the folder's weights if it has them, else random init seeded by `seed`
+    (the same parameters on every rank). On the meta device nothing is allocated."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    try:
+        if spec.weights is not None and device != "meta":
+            model = AutoModelForCausalLM.from_pretrained(spec.weights, local_files_only=True, dtype=dtype,
+                                                         attn_implementation="sdpa")
+        else:
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(spec.config, attn_implementation="sdpa")
+    except ValueError as exc:
+        raise AutospError(f"--model {spec.name}: transformers cannot build a causal LM from it ({exc}). "
+                          "Fix: pass a config of a causal language model (e.g. model_type 'llama').") from None
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.to(device) if device != "meta" else model
+
+
+def count_parameters(model) -> int:
+    """Distinct parameters (tied weights once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def describe(spec: ModelSpec) -> str:
+    c = spec.config
+    kind = PRESETS[spec.name].about if spec.name in PRESETS else f"{c.model_type} from {spec.name}"
+    return (f"{spec.name} ({kind}; {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+            f"{c.num_attention_heads}/{getattr(c, 'num_key_value_heads', c.num_attention_heads)} heads, "
+            f"vocab {c.vocab_size}" + (", weights from the folder" if spec.weights else ", random init") + ")")
