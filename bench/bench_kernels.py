@@ -295,6 +295,8 @@ def table(out_path: Path | None, rep_ms: int) -> str:
             del q, k, v, do, leaves
             if CUDA:
                 torch.cuda.empty_cache()
+    if CUDA:
+        _save_speedups(rows, d, dt)
     names = ["autosp", "FLASH", "cuDNN"]
     dev = torch.cuda.get_device_name() if CUDA else "cpu (interpreter smoke test)"
     lines = [f"TFLOP/s, causal, d={d}, {str(dt)[6:]}, {tokens} tokens/step, {dev}, "
@@ -321,6 +323,23 @@ def table(out_path: Path | None, rep_ms: int) -> str:
     if out_path:
         out_path.write_text(text + "\n")
     return text
+
+
+def _save_speedups(rows, d: int, dt: torch.dtype) -> None:
+    """Write each shape's speedup of autosp's kernels over the best SDPA backend (forward + backward
+    time) into the kernel config cache as "flash_vs_sdpa" entries: the sharding pass uses autosp's
+    kernel in the per-rank program only where this is above 1 (kernels.config.measured_speedup).
+    GQA rows win over MHA rows at the same length: the sharded program calls attention with GQA."""
+    from autosp.kernels import config
+    from bench.autotune import save_entries
+    entries = {}
+    for hq, hkv, s, b, flops, res in sorted(rows, key=lambda r: r[1] != r[0]):
+        base = [sum(res[n]) for n in res if n != "autosp"]
+        if "autosp" in res and base:
+            key = config.cache_key("flash_vs_sdpa", torch.cuda.get_device_name(), dt, d, True, s)
+            entries[key] = {"speedup": round(min(base) / sum(res["autosp"]), 3), "heads": f"{hq}/{hkv}"}
+    if entries:
+        print(f"wrote {len(entries)} flash_vs_sdpa entries to {save_entries(entries, config.cache_path())}")
 
 
 def _triton_version() -> str:

@@ -116,6 +116,8 @@ def _masks_job(rank, world, s):
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
     report = {}
     for name, (model, fn, args) in _cases(s, world).items():
+        if world == 4 and name == "mistral_window_small":
+            continue                                  # the zoo runs Mistral's window at SP = 4
         params = {k: v.detach().clone() for k, v in model.named_parameters()}
         ref, ref_grads = reference(fn, params, *args)
         vg = autosp.value_and_grad(fn, mesh)

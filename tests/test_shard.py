@@ -49,7 +49,9 @@ CASES = [("gpt", 32, {}), ("gpt", 67, {}), ("llama", 32, {}), ("llama", 67, {}),
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sp_matches_single_device(world):
-    run_ranks(_sp_job, world, CASES)
+    # SP = 4: the lengths P does not divide, the single KV head and the explicit mask (the zoo and
+    # tests/test_masks.py run more models at SP = 4)
+    run_ranks(_sp_job, world, CASES if world == 2 else [CASES[1], CASES[4], CASES[6]])
 
 
 def test_other_hf_models():
@@ -182,9 +184,8 @@ def _variants_job(rank, world, s):
     return True
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_replicated_terms_and_gathered_outputs(world):
-    run_ranks(_variants_job, world, 37)
+def test_replicated_terms_and_gathered_outputs():
+    run_ranks(_variants_job, 2, 37)
 
 
 def _api_job(rank, world):
