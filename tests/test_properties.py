@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from tests.dist import RankPool
 
 RTOL = 1e-5
-EXAMPLES = int(os.environ.get("AUTOSP_PROPERTY_EXAMPLES", "6"))
+EXAMPLES = int(os.environ.get("AUTOSP_PROPERTY_EXAMPLES", "5"))
 LENGTHS = [2, 3, 5, 7, 11, 13, 16, 17, 24, 31]
 
 

@@ -301,7 +301,10 @@ def attention_rule(ctx: ShardCtx, e: Eqn) -> None:
         mask, is_causal = None, True
     if mask is not None and not b["dropout_p"] and os.environ.get("AUTOSP_MASK_FUNCTIONS", "1") != "0":
         fn = mask_function(ctx.graph, mask, length, math.prod(q_old.shape[:-3]), ctx.constant_value)
-        if fn is not None:         # the mask as a function of O(s) leaves: no s x s tensor on any rank
+        if fn is not None and not any(x.name in ctx.heavy for x in fn.leaves):
+            # the mask as a function of O(s) leaves: no s x s tensor on any rank. (A leaf computed from
+            # parameters or float inputs would need a gradient, which the op does not give its leaves:
+            # such a mask keeps the tensor path.)
             o2 = _masked_attention(ctx, e, fn, (q2, k2, v2), length, padded, b["scale"])
             (o,) = ctx.emit(C.all_to_all, ([o2], hdim + 1, hdim, ctx.mesh.sp_group), source=e.source,
                             layouts=[Layout(q.ndim - 2, length, q.layout.chunk)])
