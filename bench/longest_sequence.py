@@ -72,12 +72,11 @@ def search(fits, memory: int, g: int, start: int, cap: int, log, secant: bool = 
 def _job(rank, world, args):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers import LlamaForCausalLM
 
     import autosp
     import deepspeed
     from autosp.memory import peak_bytes
-    from bench.sp_vs_ulysses import ATTN_NAME, register_ulysses_attention, ulysses_batch, ulysses_step
+    from bench.sp_vs_ulysses import register_ulysses_attention, ulysses_batch, ulysses_copy, ulysses_step
     from tests.models import batch, llama_loss, params_of, tiny_llama
 
     torch.set_num_threads(1)
@@ -90,15 +89,7 @@ def _job(rank, world, args):
     fn, params = llama_loss(model), params_of(model)
     live = {k: v.requires_grad_(True) for k, v in params.items()}
     register_ulysses_attention(sp)
-    ds = {}
-    for ckpt in (False, True):
-        cfg = model.config.__class__(**{**model.config.to_dict(), "attn_implementation": ATTN_NAME})
-        m = LlamaForCausalLM(cfg)
-        m.load_state_dict(model.state_dict())
-        if ckpt:
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        m.train()
-        ds["ulysses+ckpt" if ckpt else "ulysses"] = m
+    ds = {"ulysses": ulysses_copy(model), "ulysses+ckpt": ulysses_copy(model, checkpointing=True)}
     memory = int(args.memory * 2**20)
     say = print if rank == 0 else (lambda *a, **k: None)
     steps = {}

@@ -201,20 +201,14 @@ def _job(rank, world, args, seq):
 def _ds_methods(args, seq, world, model, ids, labels, sp):
     from torch.utils.flop_counter import FlopCounterMode
 
-    from bench.sp_vs_ulysses import ATTN_NAME, register_ulysses_attention, ulysses_batch, ulysses_step
+    from bench.sp_vs_ulysses import register_ulysses_attention, ulysses_batch, ulysses_copy, ulysses_step
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     register_ulysses_attention(sp)
     out = {}
     local_batch = ulysses_batch(ids, labels, sp)
-    from transformers import LlamaForCausalLM
     for ckpt in (False, True):
-        cfg = model.config.__class__(**{**model.config.to_dict(), "attn_implementation": ATTN_NAME})
-        m = LlamaForCausalLM(cfg)
-        m.load_state_dict(model.state_dict())
-        if ckpt:
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        m.train()
+        m = ulysses_copy(model, checkpointing=ckpt)
 
         def step(m=m):
             return ulysses_step(m, local_batch, sp)

@@ -68,6 +68,18 @@ def register_ulysses_attention(group):
     AttentionInterface.register(ATTN_NAME, attention)
 
 
+def ulysses_copy(model, checkpointing: bool = False):
+    """`model` (an HF Llama) rebuilt on the Ulysses attention function, same weights, in train mode;
+    with per-layer activation checkpointing when asked (call register_ulysses_attention first)."""
+    from transformers import LlamaForCausalLM
+    cfg = model.config.__class__(**{**model.config.to_dict(), "attn_implementation": ATTN_NAME})
+    m = LlamaForCausalLM(cfg)
+    m.load_state_dict(model.state_dict())
+    if checkpointing:
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return m.train()
+
+
 def ulysses_batch(ids, labels, group):
     """This rank's share of the batch, by hand: sharded ids, offset positions, labels shifted
     globally then sharded, and the global count of counted tokens."""

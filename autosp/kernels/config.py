@@ -134,15 +134,18 @@ def lookup(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int,
     return dict(_chosen[memo])
 
 
+def _nearest(entries: dict, key: str):
+    """The entry under `key`, else the one with the same key at the nearest sequence bucket, else None."""
+    if key in entries or not entries:
+        return entries.get(key)
+    prefix, want = key.rsplit("|s", 1)
+    near = [(abs(math.log2(int(b) / int(want))), k) for k in entries
+            for p, b in [k.rsplit("|s", 1)] if p == prefix and b.isdigit()]
+    return entries[min(near)[1]] if near else None
+
+
 def _choose(kernel, device, name, dtype, head_dim, causal, seq_len) -> dict:
-    entries = load_cache()
-    key = cache_key(kernel, name, dtype, head_dim, causal, seq_len)
-    cfg = entries.get(key)
-    if cfg is None and entries:
-        prefix, want = key.rsplit("|s", 1)
-        near = [(abs(math.log2(int(b) / int(want))), k) for k in entries
-                for p, b in [k.rsplit("|s", 1)] if p == prefix and b.isdigit()]
-        cfg = entries[min(near)[1]] if near else None
+    cfg = _nearest(load_cache(), cache_key(kernel, name, dtype, head_dim, causal, seq_len))
     if cfg is not None and is_valid(kernel, cfg):
         return {k: cfg[k] for k in PARAMS[kernel]}
     return default_config(kernel, device, dtype, head_dim)
@@ -152,14 +155,8 @@ def measured_speedup(device_name: str, dtype: torch.dtype, head_dim: int, causal
     """SDPA's time over autosp's flash kernels' (forward + backward) at this shape, as the GPU check
     measured it ("flash_vs_sdpa" entries: {"speedup": x}), at the nearest measured length; None when
     nothing was measured on this device. The sharding pass uses the kernels only where this is > 1."""
-    entries = load_cache()
-    key = cache_key("flash_vs_sdpa", device_name, dtype, head_dim, causal, seq_len)
-    prefix, want = key.rsplit("|s", 1)
-    near = [(abs(math.log2(int(b) / int(want))), k) for k in entries
-            for p, b in [k.rsplit("|s", 1)] if p == prefix and b.isdigit()]
-    if not near:
-        return None
-    x = entries[min(near)[1]].get("speedup") if isinstance(entries[min(near)[1]], dict) else None
+    entry = _nearest(load_cache(), cache_key("flash_vs_sdpa", device_name, dtype, head_dim, causal, seq_len))
+    x = entry.get("speedup") if isinstance(entry, dict) else None
     return float(x) if isinstance(x, (int, float)) and math.isfinite(x) and x > 0 else None
 
 

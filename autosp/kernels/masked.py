@@ -179,18 +179,21 @@ def _masked_scores(qi, kj, mask, b, g, shift=None):
     return s
 
 
+def _blocked(q, k, v, mask, scale: float, block):
+    """What both directions start from: the parsed mask, the GQA group size, the compute dtype, the
+    block sizes, q * scale as GQA rows [bh, L*g, d], and k, v as [bh, L, d]."""
+    b, hq, s, d = q.shape
+    hkv = k.shape[1]
+    ct = _compute_dtype(q.dtype)
+    kv = [t.to(ct).reshape(b * hkv, s, d) for t in (k, v)]
+    return parse(mask), hq // hkv, ct, block or block_sizes(), _rows(q, hkv, ct) * scale, *kv
+
+
 def torch_forward(q, k, v, leaves, mask, scale: float, valid_len: int,
                   block: Optional[tuple[int, int]] = None):
     """(out, lse) by blocks; see the module docstring."""
-    fn = parse(mask)
-    b, hq, s, d = q.shape
-    hkv = k.shape[1]
-    g = hq // hkv
-    ct = _compute_dtype(q.dtype)
-    bq, bk = block or block_sizes()
-    qr = _rows(q, hkv, ct) * scale                         # [bh, L*g, d]
-    kr = k.to(ct).reshape(b * hkv, s, d)                   # [bh, L, d]
-    vr = v.to(ct).reshape(b * hkv, s, d)
+    fn, g, ct, (bq, bk), qr, kr, vr = _blocked(q, k, v, mask, scale, block)
+    b, hq, s, _ = q.shape
     out = torch.empty_like(qr)
     lse = torch.empty(qr.shape[:2], dtype=ct, device=q.device)   # [bh, L*g]; every row block writes both
     for i0 in range(0, s, bq):
@@ -221,19 +224,13 @@ def torch_backward(dout, q, k, v, out, lse, leaves, mask, scale: float, valid_le
                    block: Optional[tuple[int, int]] = None):
     """(dq, dk, dv) by blocks, FlashAttention-2's backward: P recomputed from lse,
     delta = rowsum(dO * O), dS = P * (dO V^T - delta)."""
-    fn = parse(mask)
-    b, hq, s, d = q.shape
+    fn, g, ct, (bq, bk), qr, kr, vr = _blocked(q, k, v, mask, scale, block)
+    b, hq, s, _ = q.shape
     hkv = k.shape[1]
-    g = hq // hkv
-    ct = _compute_dtype(q.dtype)
-    bq, bk = block or block_sizes()
-    qr = _rows(q, hkv, ct) * scale
     dor = _rows(dout, hkv, ct)
     delta = (dor * _rows(out, hkv, ct)).sum(-1)                        # [bh, L*g]
     lser = _rows(lse[..., None], hkv, ct)[..., 0]
     lser = lser.masked_fill(lser == float("-inf"), 0.0)   # empty rows: all scores -inf, so P = 0
-    kr = k.to(ct).reshape(b * hkv, s, d)
-    vr = v.to(ct).reshape(b * hkv, s, d)
     dq = torch.zeros_like(qr)
     dk = torch.zeros_like(kr)
     dv = torch.zeros_like(vr)
