@@ -42,8 +42,8 @@ from autosp.kernels._triton import device_name  # noqa: E402
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2) of the backward: the stationary block is the larger
 # one in both programs (config.is_valid).
-_BWD_TILES = [(32, 128, 128, 32), (16, 64, 64, 16), (32, 64, 64, 32), (64, 128, 128, 64), (16, 128, 128, 16),
-              (64, 64, 64, 64)]
+_BWD_TILES = [(32, 64, 128, 32), (32, 128, 128, 32), (16, 64, 64, 16), (32, 64, 64, 32), (64, 128, 128, 64),
+              (16, 128, 128, 16), (64, 64, 64, 64)]
 
 
 # ---------------------------------------------------------------- timing
@@ -87,6 +87,15 @@ def attention_inputs(b: int, hq: int, hkv: int, s: int, d: int, dtype: torch.dty
 # ---------------------------------------------------------------- search spaces
 
 
+def _tma_variants(configs: list[dict], quick: bool) -> list[dict]:
+    """Each config with the device's default TMA setting (quick), or with both (the full search);
+    off where the device has no tensor descriptors."""
+    tma = config.default_config("flash_fwd", torch.device("cuda"), torch.float16, 128)["TMA"] \
+        if torch.cuda.is_available() else 0
+    modes = (tma,) if quick or not tma else (1, 0)
+    return [dict(c, TMA=t) for c in configs for t in modes]
+
+
 def fwd_candidates(head_dim: int, dtype: torch.dtype, quick: bool) -> list[dict]:
     if quick:
         tiles = [(128, 64), (128, 128), (64, 64), (128, 32)] if head_dim <= 128 else [(64, 32), (64, 64)]
@@ -98,17 +107,17 @@ def fwd_candidates(head_dim: int, dtype: torch.dtype, quick: bool) -> list[dict]
            itertools.product(tiles, warps_stages)]
     if dtype == torch.float32 or head_dim > 128:  # fp32 / wide tiles run out of shared memory
         out = [c for c in out if c["BLOCK_M"] * c["BLOCK_N"] <= 64 * 64]
-    return out
+    return _tma_variants(out, quick)
 
 
 def bwd_candidates(head_dim: int, dtype: torch.dtype, quick: bool) -> list[dict]:
     tiles = _BWD_TILES[:3] if quick else _BWD_TILES
-    warps_stages = [(4, 3), (8, 2)] if quick else list(itertools.product((4, 8), (1, 2, 3, 4)))
+    warps_stages = [(8, 3), (4, 3)] if quick else list(itertools.product((4, 8), (1, 2, 3, 4)))
     out = [dict(BLOCK_M1=a, BLOCK_N1=b, BLOCK_M2=c, BLOCK_N2=d, num_warps=w, num_stages=s)
            for (a, b, c, d), (w, s) in itertools.product(tiles, warps_stages)]
     if dtype == torch.float32 or head_dim > 128:
         out = [c for c in out if c["BLOCK_N1"] <= 64]
-    return out
+    return _tma_variants(out, quick)
 
 
 def copy_candidates(quick: bool) -> list[dict]:

@@ -13,7 +13,7 @@
 #  5. TFLOP/s forward and backward against SDPA's FLASH and cuDNN backends -- printed last
 #  6. masked_attention's kernel: packed documents against plain causal at the same length
 #
-# OUT_DIR holds at most 7 files: logs.tar.gz (every step's log), summary.txt, kernel_configs.json,
+# OUT_DIR holds 6 files: logs.tar.gz (every step's log), summary.txt, kernel_configs.json,
 # a2a_table.md, attention_table.md, masked_table.md (and the tarball's listing is in summary.txt).
 # Each step has its own time limit inside a total budget (GPU_CHECK_BUDGET seconds, default 450); a step that runs out
 # of time, or finds no time left, is named as cut. Exit status: 0 only if every step passed.

@@ -136,6 +136,60 @@ def test_triton_other_tilings(fwd, bwd):
             check_fwd_bwd(q, k, v, causal, "triton", 1e-5)
 
 
+# Tensor descriptors (TMA): Hopper's default; on CPU the interpreter runs the same kernels on
+# host-made descriptors, so the descriptor path's tiles, zero-filled tails and clipped stores are
+# checked here at the interpreter's tile sizes.
+TMA_TILES = (dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1, TMA=1),
+             dict(BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, num_warps=4, num_stages=1, TMA=1))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", [
+    (torch.float16, 64, 127, (4, 1), True, "bhsd"),
+    (torch.float32, 32, 300, (2, 2), False, "bhsd"),
+    (torch.float32, 128, 300, (4, 2), True, "bshd"),      # a [b, s, h, d] view: descriptors take its strides
+], ids=["fp16-gqa-causal-127", "fp32-full-300", "fp32-bshd-causal-300"])
+def test_triton_tma_path_matches_float64(case, tma_launches):
+    dtype, d, s, (hq, hkv), causal, layout = case
+    q, k, v = inputs(2, hq, hkv, s, d, dtype, seed=s + d)
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    with config.override("flash_fwd", **TMA_TILES[0]), config.override("flash_bwd", **TMA_TILES[1]):
+        check_fwd_bwd(q, k, v, causal, "triton", TOL[dtype], seed=s)
+    assert tma_launches == [True] * 3      # forward, dK/dV and dQ all ran on descriptors
+
+
+@pytest.fixture
+def tma_launches(monkeypatch):
+    """Whether each kernel launch of the test took tensor descriptors (flash._tensors' choice)."""
+    seen, choose = [], flash._tensors
+
+    def spy(cfg, blocks):
+        tma, tensors = choose(cfg, blocks)
+        seen.append(tma)
+        return tma, tensors
+
+    monkeypatch.setattr(flash, "_tensors", spy)
+    return seen
+
+
+@needs_interpreter
+def test_tma_falls_back_to_pointers(tma_launches):
+    # strides TMA cannot take (a row of 132 bytes, a last-dim stride of 2): pointers, the same result
+    g = torch.Generator().manual_seed(5)
+    bases = [torch.randn(1, 2, 70, n, generator=g).requires_grad_() for n in (33, 64, 32)]
+    q, k, v = bases[0][..., :32], bases[1][..., ::2], bases[2]
+    assert "strides" in flash.tma_problem(q) and "last-dim" in flash.tma_problem(k) and flash.tma_problem(v) is None
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference(*ref_in, True, None)
+    with config.override("flash_fwd", **TMA_TILES[0]), config.override("flash_bwd", **TMA_TILES[1]):
+        out = flash_attention(q, k, v, causal=True, backend="triton")
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.sum(), ref_in)
+    assert tma_launches == [False] * 3
+    assert rel(out, ref) <= 1e-5 and all(rel(a, b) <= 1e-5 for a, b in zip(grads, ref_grads))
+
+
 @needs_interpreter
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_lse_output_and_its_gradient(backend):
@@ -397,15 +451,19 @@ def test_config_cache_lookup(tmp_path, monkeypatch):
     assert key == "flash_fwd|cpu-interpreter|float16|d64|causal|s8192"
     save_entries({key: {**tuned, "ms": 1.0}})
     assert json.loads(path.read_text())["entries"][key]["BLOCK_M"] == 32
-    assert config.lookup("flash_fwd", cpu, f16, 64, True, 5000) == tuned      # same bucket
-    assert config.lookup("flash_fwd", cpu, f16, 64, True, 100) == tuned       # nearest bucket
+    tuned_as_read = tuned | {"TMA": 0}    # an entry without the optional key: the default's
+    assert config.lookup("flash_fwd", cpu, f16, 64, True, 5000) == tuned_as_read      # same bucket
+    assert config.lookup("flash_fwd", cpu, f16, 64, True, 100) == tuned_as_read       # nearest bucket
     assert config.lookup("flash_fwd", cpu, f16, 64, False, 8192) == default  # other key fields
     bad = config.cache_key("flash_fwd", "cpu-interpreter", f16, 128, True, 8192)
     save_entries({bad: dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=1)})  # M % N != 0
     assert config.lookup("flash_fwd", cpu, f16, 128, True, 8192) == config.default_config("flash_fwd", cpu, f16, 128)
     with config.override("flash_fwd", BLOCK_M=64, BLOCK_N=64):
         assert config.lookup("flash_fwd", cpu, f16, 64, True, 8192)["BLOCK_N"] == 64
-    assert config.lookup("flash_fwd", cpu, f16, 64, True, 8192) == tuned
+    assert config.lookup("flash_fwd", cpu, f16, 64, True, 8192) == tuned_as_read
+    save_entries({key: {**tuned, "TMA": 1}})
+    assert config.lookup("flash_fwd", cpu, f16, 64, True, 8192)["TMA"] == 1
+    assert not config.is_valid("flash_fwd", {**tuned, "TMA": 2})
     with pytest.raises(autosp.AutospError, match="invalid tiling"):
         with config.override("flash_bwd", BLOCK_N1=16, BLOCK_M1=32):
             pass

@@ -432,6 +432,28 @@ def test_triton_matches_float64(name, dtype, _kernel_configs):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("name", ["hf-docs-127", "padding-empty-rows"])
+def test_triton_tma_path_matches_float64(name, _kernel_configs, tma_launches):
+    # the terms kernels through tensor descriptors (Hopper's default), fp16, at the interpreter's tiles
+    b, hq, hkv, length, d, mask, make_leaves, valid_len = TRITON_CASES[name]
+    leaves = make_leaves(b, length)
+    q, k, v, do = qkv(b, hq, hkv, length, d, torch.float16, seed=len(name))
+    with config.override("flash_fwd", BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1, TMA=1), \
+            config.override("flash_bwd", BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, num_warps=4,
+                            num_stages=1, TMA=1):
+        got = run_triton(q, k, v, do, mask, leaves, valid_len)
+    assert_close(got, reference(q, k, v, do, mask, leaves, valid_len), tol=TOL[torch.float16])
+    assert tma_launches == [True] * 3
+
+
+@pytest.fixture
+def tma_launches(monkeypatch):
+    seen, choose = [], flash._tensors
+    monkeypatch.setattr(flash, "_tensors", lambda cfg, blocks: seen.append(choose(cfg, blocks)[0]) or choose(cfg, blocks))
+    return seen
+
+
+@needs_interpreter
 @pytest.mark.filterwarnings("ignore:All-NaN slice")
 def test_triton_skips_the_tiles_the_mask_empties(_kernel_configs):
     # Monotone documents, boundaries inside tiles. NaN in K/V rows of key tile 0 (document 0 only)

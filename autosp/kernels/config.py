@@ -31,6 +31,9 @@ PARAMS = {
     "flash_bwd": ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages"),
     "layout_copy": ("BLOCK_R", "num_warps"),
 }
+# Keys a config may hold, with the value an entry without them means: TMA 1 loads and stores the
+# attention tiles through tensor descriptors (Hopper's copy engine), 0 through pointers (flash.py).
+OPTIONAL = {"flash_fwd": {"TMA": 0}, "flash_bwd": {"TMA": 0}, "layout_copy": {}}
 
 _overrides: dict[str, dict] = {}
 _loaded: dict[str, dict] = {}            # cache path -> its entries, read once per process
@@ -85,6 +88,8 @@ def is_valid(kernel: str, cfg: dict) -> bool:
         return False
     if "num_stages" in PARAMS[kernel] and not (isinstance(cfg["num_stages"], int) and cfg["num_stages"] >= 1):
         return False
+    if any(cfg.get(k, v) not in (0, 1) for k, v in OPTIONAL[kernel].items()):
+        return False
     blocks = [cfg[k] for k in PARAMS[kernel] if k.startswith("BLOCK_")]
     if kernel.startswith("flash") and min(blocks) < 16:  # tl.dot needs 16 in every dim
         return False
@@ -95,26 +100,44 @@ def is_valid(kernel: str, cfg: dict) -> bool:
     return True
 
 
-def default_config(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> dict:
-    """Untuned configs that are correct everywhere and reasonable on H100/H200-class GPUs."""
+def cuda_capability(device: torch.device):
+    """(major, minor) of a CUDA device, None for anything else (ROCm included) or when there is none."""
+    if device.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def default_config(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+                   capability: tuple | None = None) -> dict:
+    """Untuned configs that are correct everywhere and reasonable on H100/H200-class GPUs.
+    `capability`: the CUDA device's (major, minor), asked of the device when not given."""
     if device.type == "cpu":
         # The interpreter pays per Triton op, not per element: few programs, but still
         # several tiles per row at test sizes so the diagonal and tail paths run.
         return {
-            "flash_fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1),
-            "flash_bwd": dict(BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, num_warps=4, num_stages=1),
+            "flash_fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1, TMA=0),
+            "flash_bwd": dict(BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, num_warps=4, num_stages=1, TMA=0),
             "layout_copy": dict(BLOCK_R=64, num_warps=4),
         }[kernel]
     hip = torch.version.hip is not None
+    if capability is None:
+        capability = cuda_capability(device)
+    tma = int(capability is not None and capability >= (9, 0))   # Hopper and later: the copy engine
     wide = head_dim > 128 or dtype == torch.float32  # registers / shared memory run out first
+    # Hopper, 16-bit, d <= 128: sizes chosen by compiling for sm_90 (bench/compile_sm90.py, RESULTS.md):
+    # no spills in any of the three kernels; dK/dV keeps 64 keys (128 spills their fp32 accumulators).
     if kernel == "flash_fwd":
         if wide:
-            return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1 if hip else 2)
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8 if head_dim > 64 else 4, num_stages=1 if hip else 3)
+            return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1 if hip else 2, TMA=tma)
+        return dict(BLOCK_M=128, BLOCK_N=128 if tma else 64, num_warps=8 if head_dim > 64 else 4,
+                    num_stages=1 if hip else 3, TMA=tma)
     if kernel == "flash_bwd":
         if wide:
-            return dict(BLOCK_M1=16, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=16, num_warps=4, num_stages=1)
-        return dict(BLOCK_M1=32, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=32, num_warps=4, num_stages=1 if hip else 3)
+            return dict(BLOCK_M1=16, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=16, num_warps=4, num_stages=1, TMA=tma)
+        if tma:
+            return dict(BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=128, BLOCK_N2=32, num_warps=8, num_stages=3, TMA=1)
+        return dict(BLOCK_M1=32, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=32, num_warps=4, num_stages=1 if hip else 3,
+                    TMA=0)
     if kernel == "layout_copy":
         return dict(BLOCK_R=32, num_warps=4)
     raise KeyError(kernel)
@@ -146,9 +169,10 @@ def _nearest(entries: dict, key: str):
 
 def _choose(kernel, device, name, dtype, head_dim, causal, seq_len) -> dict:
     cfg = _nearest(load_cache(), cache_key(kernel, name, dtype, head_dim, causal, seq_len))
-    if cfg is not None and is_valid(kernel, cfg):
-        return {k: cfg[k] for k in PARAMS[kernel]}
-    return default_config(kernel, device, dtype, head_dim)
+    default = default_config(kernel, device, dtype, head_dim)
+    if cfg is not None and is_valid(kernel, cfg):  # an entry without an optional key keeps the default's
+        return {k: cfg[k] for k in PARAMS[kernel]} | {k: cfg.get(k, default[k]) for k in OPTIONAL[kernel]}
+    return default
 
 
 def measured_speedup(device_name: str, dtype: torch.dtype, head_dim: int, causal: bool, seq_len: int) -> float | None:

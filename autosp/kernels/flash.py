@@ -21,9 +21,14 @@ are not a power of two in [16, 256] are zero-padded for Triton (zeros change nei
 the scores nor the kept columns).
 
 The kernels load on the first Triton call (_triton.jit_module: this module imports
-without triton). Everything is pointer arithmetic on the inputs' own strides (no
-`tl.make_block_ptr`: gone in Triton 3.9), so transposed views need no copy, with each
-tile's first row in 64 bits (`tile_offsets`).
+without triton). Tiles move one of two ways, chosen per launch by the config's TMA key
+(config.py: on for Hopper and later): through tensor descriptors made on the host over
+the inputs' own [b, h, s, d] strides (the copy engine fetches whole tiles, zero-fills rows
+past s and clips stores: no address registers, which is what lets the d=128 kernels run
+without spills), or, where a descriptor cannot address a tensor (`tma_problem`: strides
+that are not multiples of 16 bytes) and before Hopper, pointer arithmetic on the same
+strides with each tile's first row in 64 bits (`tile_offsets`; no `tl.make_block_ptr`:
+gone in Triton 3.9). Either way transposed views need no copy.
 
 Forward: one program owns BLOCK_M query rows of one (batch, query head) and streams the
 K/V rows of that head's KV group through an online softmax. Tiles strictly left of the
@@ -42,7 +47,8 @@ Backward, three programs as in FlashAttention-2:
      exactly one writer: no atomics, deterministic;
   3. dQ, Q-stationary: one program owns BLOCK_M2 query rows of one query head and streams
      the K/V rows of its KV head.
-P is recomputed from the saved LSE. Masking as in the forward (needs BLOCK_N1 % BLOCK_M1
+P is recomputed from the saved LSE (turned into log2 units once, by the preprocess, so each
+score is one FMA before exp2). Masking as in the forward (needs BLOCK_N1 % BLOCK_M1
 == 0 and BLOCK_M2 % BLOCK_N2 == 0).
 
 Masks as terms (masked_attention's Triton path): with N_TERMS > 0 the same three kernels take a
@@ -100,27 +106,81 @@ def _offsets_probe(OUT, OUT_T, start, stride_r, stride_c, ROWS: tl.constexpr, CO
              tile_offsets_t(start, stride_r, cols, stride_c, ROWS))
 
 
+# ---------------------------------------------------------------- kernels: loading and storing tiles
+# A tile is ROWS consecutive rows of the [s, d] matrix of one (batch, head). With TMA (a constexpr)
+# `src` is a host-made 4-D tensor descriptor of the whole [b, h, s, d] tensor and the copy engine
+# moves the tile (rows past s come back 0, stores past s are dropped); without, `src` is the
+# matrix's base pointer and the tile goes through the pointer arithmetic above. A TMA tile costs
+# no address registers: per-element 64-bit pointers are what spill the pointer path (compile_sm90.py).
+
+
+@kernel
+def _load_rows(src, off_b, off_h, start, stride_r, stride_c, n_rows,
+               ROWS: tl.constexpr, COLS: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
+    # [ROWS, COLS]: rows start.. (zeros at and past n_rows when MASKED)
+    if TMA:
+        tile = src.load([off_b.to(tl.int32), off_h.to(tl.int32), start, 0]).reshape(ROWS, COLS)
+    else:
+        ptrs = src + tile_offsets(start, stride_r, tl.arange(0, COLS), stride_c, ROWS)
+        if MASKED:
+            tile = tl.load(ptrs, mask=(start + tl.arange(0, ROWS))[:, None] < n_rows, other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    return tile
+
+
+@kernel
+def _load_rows_t(src, off_b, off_h, start, stride_r, stride_c, n_rows,
+                 ROWS: tl.constexpr, COLS: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
+    # the same tile transposed, [COLS, ROWS] (K^T, V^T and Q^T for the dots)
+    if TMA:
+        tile = tl.trans(src.load([off_b.to(tl.int32), off_h.to(tl.int32), start, 0]).reshape(ROWS, COLS))
+    else:
+        ptrs = src + tile_offsets_t(start, stride_r, tl.arange(0, COLS), stride_c, ROWS)
+        if MASKED:
+            tile = tl.load(ptrs, mask=(start + tl.arange(0, ROWS))[None, :] < n_rows, other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    return tile
+
+
+@kernel
+def _store_rows(dst, off_b, off_h, start, stride_r, stride_c, n_rows, tile,
+                ROWS: tl.constexpr, COLS: tl.constexpr, TMA: tl.constexpr):
+    # tile [ROWS, COLS] into rows start.. (those before n_rows)
+    if TMA:
+        dst.store([off_b.to(tl.int32), off_h.to(tl.int32), start, 0], tile.reshape(1, 1, ROWS, COLS))
+    else:
+        tl.store(dst + tile_offsets(start, stride_r, tl.arange(0, COLS), stride_c, ROWS), tile,
+                 mask=(start + tl.arange(0, ROWS))[:, None] < n_rows)
+
+
+@kernel
+def _matrix(T, off_b, off_h, stride_b, stride_h, TMA: tl.constexpr):
+    # what _load_rows takes for the matrix of (off_b, off_h): the descriptor itself, or its base pointer
+    if TMA:
+        src = T
+    else:
+        src = T + off_b * stride_b + off_h * stride_h
+    return src
+
+
 # ---------------------------------------------------------------- kernels: forward
 
 
 @kernel
-def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base,
+def _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, off_b, off_hk,
                stride_kn, stride_kd, stride_vn, stride_vd,
-               offs_m, offs_d, lo, hi, seq_len, qk_scale,
-               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
+               offs_m, lo, hi, seq_len, qk_scale,
+               HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+               DOT_PREC: tl.constexpr, TMA: tl.constexpr):
     # acc [BLOCK_M, D] fp32, l_i / m_i [BLOCK_M] fp32 (m_i in log2 units), q [BLOCK_M, D].
     # K/V rows lo..hi of this head; MASKED adds the tail (and, if CAUSAL, the diagonal) mask.
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        kt_ptrs = k_base + tile_offsets_t(start_n, stride_kn, offs_d, stride_kd, BLOCK_N)  # (D, BLOCK_N)
-        v_ptrs = v_base + tile_offsets(start_n, stride_vn, offs_d, stride_vd, BLOCK_N)  # (BLOCK_N, D)
-        if MASKED:
-            kt = tl.load(kt_ptrs, mask=offs_n[None, :] < seq_len, other=0.0)
-            v = tl.load(v_ptrs, mask=offs_n[:, None] < seq_len, other=0.0)
-        else:
-            kt = tl.load(kt_ptrs)
-            v = tl.load(v_ptrs)
+        kt = _load_rows_t(k_src, off_b, off_hk, start_n, stride_kn, stride_kd, seq_len, BLOCK_N, HEAD_D, MASKED, TMA)
+        v = _load_rows(v_src, off_b, off_hk, start_n, stride_vn, stride_vd, seq_len, BLOCK_N, HEAD_D, MASKED, TMA)
         qk = tl.dot(q, kt, input_precision=DOT_PREC)
         if MASKED:
             keep = offs_n[None, :] < seq_len
@@ -159,8 +219,10 @@ def _attn_fwd(Q, K, V, O, LSE,
               TV, TB, stride_tvt, stride_tvs, stride_tvb, stride_tbt, stride_tbr, stride_tbb, kv_len,
               n_heads_q, group, seq_len, qk_scale,
               HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, N_TERMS: tl.constexpr, OPS: tl.constexpr):
-    # grid: (b * hq, cdiv(seq_len, BLOCK_M)). Offsets in int64 (batch, head, the tile's first row):
+              CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, N_TERMS: tl.constexpr, OPS: tl.constexpr,
+              TMA: tl.constexpr):
+    # grid: (b * hq, cdiv(seq_len, BLOCK_M)). Q, K, V, O: tensor descriptors if TMA, else pointers with
+    # the strides after them (the section above). Offsets in int64 (batch, head, the tile's first row):
     # b*h*s*d and s*stride_qm pass 2**31 (tile_offsets). N_TERMS > 0: masked_attention's terms mask
     # (TV, TB, their strides over term, row and batch, and kv_len: the section above); 0: plain
     # causal or full attention, and the mask arguments are unused.
@@ -175,13 +237,11 @@ def _attn_fwd(Q, K, V, O, LSE,
     off_h = off_h.to(tl.int64)
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_D)
     row_ok = offs_m < seq_len
-    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + tile_offsets(start_m * BLOCK_M, stride_qm, offs_d, stride_qd,
-                                                                      BLOCK_M)
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    k_base = K + off_b * stride_kb + off_hk * stride_kh
-    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    q = _load_rows(_matrix(Q, off_b, off_h, stride_qb, stride_qh, TMA), off_b, off_h, start_m * BLOCK_M,
+                   stride_qm, stride_qd, seq_len, BLOCK_M, HEAD_D, True, TMA)
+    k_src = _matrix(K, off_b, off_hk, stride_kb, stride_kh, TMA)
+    v_src = _matrix(V, off_b, off_hk, stride_vb, stride_vh, TMA)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
@@ -194,10 +254,11 @@ def _attn_fwd(Q, K, V, O, LSE,
         if CAUSAL:  # no key past the diagonal is kept: do not even scan there
             n_k = tl.minimum(n_k, tl.cdiv((start_m + 1) * BLOCK_M, BLOCK_N))
         first, end = _tile_range(tb, stride_tbt, stride_tbr, start_m, 0, n_k, True, N_TERMS, OPS)
-        acc, l_i, m_i = _fwd_term_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                                        offs_m, offs_d, first * BLOCK_N, end * BLOCK_N, seq_len, kv_len, qk_scale,
+        acc, l_i, m_i = _fwd_term_tiles(acc, l_i, m_i, q, k_src, v_src, off_b, off_hk,
+                                        stride_kn, stride_kd, stride_vn, stride_vd,
+                                        offs_m, first * BLOCK_N, end * BLOCK_N, seq_len, kv_len, qk_scale,
                                         tv, tb, stride_tvt, stride_tvs, stride_tbt, stride_tbr, start_m,
-                                        BLOCK_N, N_TERMS, OPS, DOT_PREC)
+                                        HEAD_D, BLOCK_N, N_TERMS, OPS, DOT_PREC, TMA)
     else:
         if CAUSAL:
             full_hi = start_m * BLOCK_M  # tiles left of the diagonal block: all in bounds
@@ -205,20 +266,21 @@ def _attn_fwd(Q, K, V, O, LSE,
         else:
             full_hi = (seq_len // BLOCK_N) * BLOCK_N
             masked_hi = seq_len
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                                   offs_m, offs_d, 0, full_hi, seq_len, qk_scale,
-                                   BLOCK_N, False, CAUSAL, DOT_PREC)
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                                   offs_m, offs_d, full_hi, masked_hi, seq_len, qk_scale,
-                                   BLOCK_N, True, CAUSAL, DOT_PREC)
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, off_b, off_hk,
+                                   stride_kn, stride_kd, stride_vn, stride_vd,
+                                   offs_m, 0, full_hi, seq_len, qk_scale,
+                                   HEAD_D, BLOCK_N, False, CAUSAL, DOT_PREC, TMA)
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, off_b, off_hk,
+                                   stride_kn, stride_kd, stride_vn, stride_vd,
+                                   offs_m, full_hi, masked_hi, seq_len, qk_scale,
+                                   HEAD_D, BLOCK_N, True, CAUSAL, DOT_PREC, TMA)
 
     if N_TERMS > 0:  # a row that attends nothing (m_i -inf, l_i 0, acc 0): out 0, lse -inf
         l_i = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # back to natural-log units
-    o_ptrs = O + off_b * stride_ob + off_h * stride_oh + tile_offsets(start_m * BLOCK_M, stride_om, offs_d, stride_od,
-                                                                      BLOCK_M)
-    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+    _store_rows(_matrix(O, off_b, off_h, stride_ob, stride_oh, TMA), off_b, off_h, start_m * BLOCK_M,
+                stride_om, stride_od, seq_len, acc.to(q.dtype), BLOCK_M, HEAD_D, TMA)
     tl.store(LSE + off_bh.to(tl.int64) * seq_len + offs_m, lse, mask=row_ok)
 
 
@@ -226,12 +288,14 @@ def _attn_fwd(Q, K, V, O, LSE,
 
 
 @kernel
-def _bwd_preprocess(O, DO, DLSE, Delta,
+def _bwd_preprocess(O, DO, DLSE, Delta, LSE, LSE2,
                     stride_ob, stride_oh, stride_om, stride_od,
                     stride_dob, stride_doh, stride_dom, stride_dod,
                     n_heads_q, seq_len,
                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr):
-    # grid: (cdiv(seq_len, BLOCK_M), b * hq); DLSE/Delta are contiguous fp32 [b, hq, s].
+    # grid: (cdiv(seq_len, BLOCK_M), b * hq); DLSE, Delta, LSE, LSE2 are contiguous fp32 [b, hq, s].
+    # LSE2: the LSE in log2 units for the two gradient kernels, +inf on rows that attend nothing
+    # (LSE -inf, masks only), where every recomputed P must be 0.
     off_bh = tl.program_id(1)
     off_b = (off_bh // n_heads_q).to(tl.int64)
     off_h = (off_bh % n_heads_q).to(tl.int64)
@@ -248,33 +312,33 @@ def _bwd_preprocess(O, DO, DLSE, Delta,
     if HAS_DLSE:
         delta = delta - tl.load(DLSE + row, mask=row_ok, other=0.0)
     tl.store(Delta + row, delta, mask=row_ok)
+    lse = tl.load(LSE + row, mask=row_ok, other=0.0)
+    tl.store(LSE2 + row, tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634), mask=row_ok)
 
 
 @kernel
-def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+def _dkdv_tiles(dk, dv, k, v, q_src, do_src, off_b, off_h, lse_base, delta_base,
                 stride_qm, stride_qd, stride_dom, stride_dod,
-                offs_n, offs_d, lo, hi, seq_len, qk_scale,
-                BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
-    # dk/dv [BLOCK_N, D] fp32 accumulators of key rows offs_n; k/v [BLOCK_N, D].
-    # Query rows lo..hi of one query head; everything here is transposed (keys x queries).
+                offs_n, lo, hi, seq_len, qk_scale,
+                HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                DOT_PREC: tl.constexpr, TMA: tl.constexpr):
+    # dk/dv [BLOCK_N, D] fp32 accumulators of key rows offs_n; k/v [BLOCK_N, D]. Query rows lo..hi
+    # of one query head; everything here is transposed (keys x queries). lse_base: the LSE in log2
+    # units (_bwd_preprocess), so a score is one FMA away from exp2 (the scale is not folded into k:
+    # rounding a scaled k back to 16 bits would add an error to every score).
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
-        qt_ptrs = q_base + tile_offsets_t(start_m, stride_qm, offs_d, stride_qd, BLOCK_M)  # (D, BLOCK_M)
-        do_ptrs = do_base + tile_offsets(start_m, stride_dom, offs_d, stride_dod, BLOCK_M)  # (BLOCK_M, D)
+        qt = _load_rows_t(q_src, off_b, off_h, start_m, stride_qm, stride_qd, seq_len, BLOCK_M, HEAD_D, MASKED, TMA)
+        do = _load_rows(do_src, off_b, off_h, start_m, stride_dom, stride_dod, seq_len, BLOCK_M, HEAD_D, MASKED, TMA)
         if MASKED:
             row_ok = offs_m < seq_len
-            qt = tl.load(qt_ptrs, mask=row_ok[None, :], other=0.0)
-            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
             lse = tl.load(lse_base + offs_m, mask=row_ok, other=0.0)
             delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
         else:
-            qt = tl.load(qt_ptrs)
-            do = tl.load(do_ptrs)
             lse = tl.load(lse_base + offs_m)
             delta = tl.load(delta_base + offs_m)
-        qkt = tl.dot(k, qt, input_precision=DOT_PREC) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
-        pt = tl.math.exp2(qkt - lse[None, :] * 1.4426950408889634)
+        pt = tl.math.exp2(tl.dot(k, qt, input_precision=DOT_PREC) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
         if MASKED:
             keep = offs_m[None, :] < seq_len
             if CAUSAL:
@@ -295,7 +359,7 @@ def _dkdv_update(dk, dv, pt, v, qt, do, delta, DOT_PREC: tl.constexpr):
 
 
 @kernel
-def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE, Delta,
+def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, Delta,
               stride_qb, stride_qh, stride_qm, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
               stride_vb, stride_vh, stride_vn, stride_vd,
@@ -305,20 +369,20 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE, Delta,
               TV, TB, stride_tvt, stride_tvs, stride_tvb, stride_tbt, stride_tbr, stride_tbb, kv_len,
               n_heads_q, n_heads_kv, group, seq_len, qk_scale, sm_scale,
               HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, N_TERMS: tl.constexpr, OPS: tl.constexpr):
+              CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, N_TERMS: tl.constexpr, OPS: tl.constexpr,
+              TMA: tl.constexpr):
     # grid: (b * hkv, cdiv(seq_len, BLOCK_N)): heads the fast axis; under a causal mask the first key
-    # tiles see the most query tiles, so every head's heaviest tile starts in the first wave
+    # tiles see the most query tiles, so every head's heaviest tile starts in the first wave.
+    # Q, K, V, DO, DK, DV as the forward's tensors; LSE2 from _bwd_preprocess.
     start_n = tl.program_id(1) * BLOCK_N
     off_bhk = tl.program_id(0)
     off_b = (off_bhk // n_heads_kv).to(tl.int64)
     off_hk = (off_bhk % n_heads_kv).to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_D)
-    col_ok = offs_n < seq_len
-    k = tl.load(K + off_b * stride_kb + off_hk * stride_kh + tile_offsets(start_n, stride_kn, offs_d, stride_kd, BLOCK_N),
-                mask=col_ok[:, None], other=0.0)
-    v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + tile_offsets(start_n, stride_vn, offs_d, stride_vd, BLOCK_N),
-                mask=col_ok[:, None], other=0.0)
+    k = _load_rows(_matrix(K, off_b, off_hk, stride_kb, stride_kh, TMA), off_b, off_hk, start_n, stride_kn, stride_kd,
+                   seq_len, BLOCK_N, HEAD_D, True, TMA)
+    v = _load_rows(_matrix(V, off_b, off_hk, stride_vb, stride_vh, TMA), off_b, off_hk, start_n, stride_vn, stride_vd,
+                   seq_len, BLOCK_N, HEAD_D, True, TMA)
     dk = tl.full([BLOCK_N, HEAD_D], 0.0, dtype=tl.float32)
     dv = tl.full([BLOCK_N, HEAD_D], 0.0, dtype=tl.float32)
 
@@ -344,55 +408,49 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE, Delta,
     for g in range(0, group):
         off_h = off_hk * group + g
         row0 = (off_b * n_heads_q + off_h) * seq_len
-        q_base = Q + off_b * stride_qb + off_h * stride_qh
-        do_base = DO + off_b * stride_dob + off_h * stride_doh
+        q_src = _matrix(Q, off_b, off_h, stride_qb, stride_qh, TMA)
+        do_src = _matrix(DO, off_b, off_h, stride_dob, stride_doh, TMA)
         if N_TERMS > 0:
-            dk, dv = _dkdv_term_tiles(dk, dv, k, v, q_base, do_base, LSE + row0, Delta + row0,
+            dk, dv = _dkdv_term_tiles(dk, dv, k, v, q_src, do_src, off_b, off_h, LSE2 + row0, Delta + row0,
                                       stride_qm, stride_qd, stride_dom, stride_dod,
-                                      offs_n, offs_d, first * BLOCK_M, end * BLOCK_M, seq_len, kv_len, qk_scale,
+                                      offs_n, first * BLOCK_M, end * BLOCK_M, seq_len, kv_len, qk_scale,
                                       tv, tb, stride_tvt, stride_tvs, stride_tbt, stride_tbr, start_n // BLOCK_N,
-                                      start_n + BLOCK_N > kv_len, BLOCK_M, N_TERMS, OPS, DOT_PREC)
+                                      start_n + BLOCK_N > kv_len, HEAD_D, BLOCK_M, N_TERMS, OPS, DOT_PREC, TMA)
         else:
             if CAUSAL:
-                dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + row0, Delta + row0,
+                dk, dv = _dkdv_tiles(dk, dv, k, v, q_src, do_src, off_b, off_h, LSE2 + row0, Delta + row0,
                                      stride_qm, stride_qd, stride_dom, stride_dod,
-                                     offs_n, offs_d, start_n, diag_hi, seq_len, qk_scale,
-                                     BLOCK_M, True, CAUSAL, DOT_PREC)
-            dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + row0, Delta + row0,
+                                     offs_n, start_n, diag_hi, seq_len, qk_scale,
+                                     HEAD_D, BLOCK_M, True, CAUSAL, DOT_PREC, TMA)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_src, do_src, off_b, off_h, LSE2 + row0, Delta + row0,
                                  stride_qm, stride_qd, stride_dom, stride_dod,
-                                 offs_n, offs_d, full_lo, full_hi, seq_len, qk_scale,
-                                 BLOCK_M, False, CAUSAL, DOT_PREC)
-            dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + row0, Delta + row0,
+                                 offs_n, full_lo, full_hi, seq_len, qk_scale,
+                                 HEAD_D, BLOCK_M, False, CAUSAL, DOT_PREC, TMA)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_src, do_src, off_b, off_h, LSE2 + row0, Delta + row0,
                                  stride_qm, stride_qd, stride_dom, stride_dod,
-                                 offs_n, offs_d, tail_lo, seq_len, seq_len, qk_scale,
-                                 BLOCK_M, True, CAUSAL, DOT_PREC)
+                                 offs_n, tail_lo, seq_len, seq_len, qk_scale,
+                                 HEAD_D, BLOCK_M, True, CAUSAL, DOT_PREC, TMA)
 
     dk = dk * sm_scale
-    tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + tile_offsets(start_n, stride_dkn, offs_d, stride_dkd, BLOCK_N),
-             dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + tile_offsets(start_n, stride_dvn, offs_d, stride_dvd, BLOCK_N),
-             dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+    _store_rows(_matrix(DK, off_b, off_hk, stride_dkb, stride_dkh, TMA), off_b, off_hk, start_n, stride_dkn, stride_dkd,
+                seq_len, dk.to(k.dtype), BLOCK_N, HEAD_D, TMA)
+    _store_rows(_matrix(DV, off_b, off_hk, stride_dvb, stride_dvh, TMA), off_b, off_hk, start_n, stride_dvn, stride_dvd,
+                seq_len, dv.to(v.dtype), BLOCK_N, HEAD_D, TMA)
 
 
 @kernel
-def _dq_tiles(dq, q, do, lse, delta, k_base, v_base,
+def _dq_tiles(dq, q, do, lse, delta, k_src, v_src, off_b, off_hk,
               stride_kn, stride_kd, stride_vn, stride_vd,
-              offs_m, offs_d, lo, hi, seq_len, qk_scale,
-              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
-    # dq [BLOCK_M, D] fp32 accumulator of query rows offs_m; key rows lo..hi.
+              offs_m, lo, hi, seq_len, qk_scale,
+              HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              DOT_PREC: tl.constexpr, TMA: tl.constexpr):
+    # dq [BLOCK_M, D] fp32 accumulator of query rows offs_m; key rows lo..hi; lse in log2 units.
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        kt_ptrs = k_base + tile_offsets_t(start_n, stride_kn, offs_d, stride_kd, BLOCK_N)  # (D, BLOCK_N)
-        vt_ptrs = v_base + tile_offsets_t(start_n, stride_vn, offs_d, stride_vd, BLOCK_N)  # (D, BLOCK_N)
-        if MASKED:
-            kt = tl.load(kt_ptrs, mask=offs_n[None, :] < seq_len, other=0.0)
-            vt = tl.load(vt_ptrs, mask=offs_n[None, :] < seq_len, other=0.0)
-        else:
-            kt = tl.load(kt_ptrs)
-            vt = tl.load(vt_ptrs)
-        qk = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
-        p = tl.math.exp2(qk - lse[:, None])
+        kt = _load_rows_t(k_src, off_b, off_hk, start_n, stride_kn, stride_kd, seq_len, BLOCK_N, HEAD_D, MASKED, TMA)
+        vt = _load_rows_t(v_src, off_b, off_hk, start_n, stride_vn, stride_vd, seq_len, BLOCK_N, HEAD_D, MASKED, TMA)
+        p = tl.math.exp2(tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale - lse[:, None])
         if MASKED:
             keep = offs_n[None, :] < seq_len
             if CAUSAL:
@@ -411,7 +469,7 @@ def _dq_update(dq, p, do, kt, vt, delta, DOT_PREC: tl.constexpr):
 
 
 @kernel
-def _bwd_dq(Q, K, V, DO, DQ, LSE, Delta,
+def _bwd_dq(Q, K, V, DO, DQ, LSE2, Delta,
             stride_qb, stride_qh, stride_qm, stride_qd,
             stride_kb, stride_kh, stride_kn, stride_kd,
             stride_vb, stride_vh, stride_vn, stride_vd,
@@ -420,9 +478,10 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, Delta,
             TV, TB, stride_tvt, stride_tvs, stride_tvb, stride_tbt, stride_tbr, stride_tbb, kv_len,
             n_heads_q, group, seq_len, qk_scale, sm_scale,
             HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, N_TERMS: tl.constexpr, OPS: tl.constexpr):
+            CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, N_TERMS: tl.constexpr, OPS: tl.constexpr,
+            TMA: tl.constexpr):
     # grid: (b * hq, cdiv(seq_len, BLOCK_M)); every head's last (heaviest, if causal) tile first,
-    # as in the forward
+    # as in the forward. Tensors as in _bwd_dkdv.
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     off_bh = tl.program_id(0)
     off_b = (off_bh // n_heads_q).to(tl.int64)
@@ -430,31 +489,30 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, Delta,
     off_hk = (off_h // group).to(tl.int64)
     off_h = off_h.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_D)
     row_ok = offs_m < seq_len
-    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + tile_offsets(start_m, stride_qm, offs_d, stride_qd, BLOCK_M),
-                mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh
-                 + tile_offsets(start_m, stride_dom, offs_d, stride_dod, BLOCK_M), mask=row_ok[:, None], other=0.0)
+    q = _load_rows(_matrix(Q, off_b, off_h, stride_qb, stride_qh, TMA), off_b, off_h, start_m, stride_qm, stride_qd,
+                   seq_len, BLOCK_M, HEAD_D, True, TMA)
+    do = _load_rows(_matrix(DO, off_b, off_h, stride_dob, stride_doh, TMA), off_b, off_h, start_m, stride_dom,
+                    stride_dod, seq_len, BLOCK_M, HEAD_D, True, TMA)
     row = off_bh.to(tl.int64) * seq_len + offs_m
-    lse = tl.load(LSE + row, mask=row_ok, other=0.0) * 1.4426950408889634
+    lse = tl.load(LSE2 + row, mask=row_ok, other=0.0)
     delta = tl.load(Delta + row, mask=row_ok, other=0.0)
-    k_base = K + off_b * stride_kb + off_hk * stride_kh
-    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    k_src = _matrix(K, off_b, off_hk, stride_kb, stride_kh, TMA)
+    v_src = _matrix(V, off_b, off_hk, stride_vb, stride_vh, TMA)
     dq = tl.full([BLOCK_M, HEAD_D], 0.0, dtype=tl.float32)
 
     if N_TERMS > 0:
-        lse = tl.where(lse == float("-inf"), float("inf"), lse)  # rows that attend nothing: P = 0
         tv = TV + off_b * stride_tvb
         tb = TB + off_b * stride_tbb
         n_k = tl.cdiv(kv_len, BLOCK_N)
         if CAUSAL:
             n_k = tl.minimum(n_k, tl.cdiv(start_m + BLOCK_M, BLOCK_N))
         first, end = _tile_range(tb, stride_tbt, stride_tbr, start_m // BLOCK_M, 0, n_k, True, N_TERMS, OPS)
-        dq = _dq_term_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                            offs_m, offs_d, first * BLOCK_N, end * BLOCK_N, seq_len, kv_len, qk_scale,
+        dq = _dq_term_tiles(dq, q, do, lse, delta, k_src, v_src, off_b, off_hk,
+                            stride_kn, stride_kd, stride_vn, stride_vd,
+                            offs_m, first * BLOCK_N, end * BLOCK_N, seq_len, kv_len, qk_scale,
                             tv, tb, stride_tvt, stride_tvs, stride_tbt, stride_tbr, start_m // BLOCK_M,
-                            BLOCK_N, N_TERMS, OPS, DOT_PREC)
+                            HEAD_D, BLOCK_N, N_TERMS, OPS, DOT_PREC, TMA)
     else:
         if CAUSAL:
             full_hi = start_m
@@ -462,13 +520,13 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, Delta,
         else:
             full_hi = (seq_len // BLOCK_N) * BLOCK_N
             masked_hi = seq_len
-        dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                       offs_m, offs_d, 0, full_hi, seq_len, qk_scale, BLOCK_N, False, CAUSAL, DOT_PREC)
-        dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                       offs_m, offs_d, full_hi, masked_hi, seq_len, qk_scale, BLOCK_N, True, CAUSAL, DOT_PREC)
+        dq = _dq_tiles(dq, q, do, lse, delta, k_src, v_src, off_b, off_hk, stride_kn, stride_kd, stride_vn, stride_vd,
+                       offs_m, 0, full_hi, seq_len, qk_scale, HEAD_D, BLOCK_N, False, CAUSAL, DOT_PREC, TMA)
+        dq = _dq_tiles(dq, q, do, lse, delta, k_src, v_src, off_b, off_hk, stride_kn, stride_kd, stride_vn, stride_vd,
+                       offs_m, full_hi, masked_hi, seq_len, qk_scale, HEAD_D, BLOCK_N, True, CAUSAL, DOT_PREC, TMA)
     dq = dq * sm_scale
-    tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + tile_offsets(start_m, stride_dqm, offs_d, stride_dqd, BLOCK_M),
-             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    _store_rows(_matrix(DQ, off_b, off_h, stride_dqb, stride_dqh, TMA), off_b, off_h, start_m, stride_dqm, stride_dqd,
+                seq_len, dq.to(q.dtype), BLOCK_M, HEAD_D, TMA)
 
 
 # ---------------------------------------------------------------- kernels: masks as comparison terms
@@ -591,21 +649,20 @@ def _visits_probe(TB, OUT, stride_bt, stride_br, n_k, N_TERMS: tl.constexpr, OPS
 
 
 @kernel
-def _fwd_term_tiles(acc, l_i, m_i, q, k_base, v_base,
+def _fwd_term_tiles(acc, l_i, m_i, q, k_src, v_src, off_b, off_hk,
                     stride_kn, stride_kd, stride_vn, stride_vd,
-                    offs_m, offs_d, lo, hi, seq_len, kv_len, qk_scale,
+                    offs_m, lo, hi, seq_len, kv_len, qk_scale,
                     tv, tb, stride_vt, stride_vs, stride_bt, stride_br, tile_q,
-                    BLOCK_N: tl.constexpr, N_TERMS: tl.constexpr, OPS: tl.constexpr, DOT_PREC: tl.constexpr):
+                    HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, N_TERMS: tl.constexpr, OPS: tl.constexpr,
+                    DOT_PREC: tl.constexpr, TMA: tl.constexpr):
     # _fwd_tiles under a terms mask: key rows lo..hi, each tile skipped, run whole or masked
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         some, mixed = _tile_state(tb, stride_bt, stride_br, tile_q, start_n // BLOCK_N, N_TERMS, OPS)
         if some:
             offs_n = start_n + offs_n0
-            kt = tl.load(k_base + tile_offsets_t(start_n, stride_kn, offs_d, stride_kd, BLOCK_N),
-                         mask=offs_n[None, :] < seq_len, other=0.0)
-            v = tl.load(v_base + tile_offsets(start_n, stride_vn, offs_d, stride_vd, BLOCK_N),
-                        mask=offs_n[:, None] < seq_len, other=0.0)
+            kt = _load_rows_t(k_src, off_b, off_hk, start_n, stride_kn, stride_kd, seq_len, BLOCK_N, HEAD_D, True, TMA)
+            v = _load_rows(v_src, off_b, off_hk, start_n, stride_vn, stride_vd, seq_len, BLOCK_N, HEAD_D, True, TMA)
             qk = tl.dot(q, kt, input_precision=DOT_PREC)
             if mixed | (start_n + BLOCK_N > kv_len):
                 keep = _terms_keep(tv, stride_vt, stride_vs, offs_m, offs_n, seq_len, kv_len, N_TERMS, OPS, False)
@@ -615,11 +672,12 @@ def _fwd_term_tiles(acc, l_i, m_i, q, k_base, v_base,
 
 
 @kernel
-def _dkdv_term_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+def _dkdv_term_tiles(dk, dv, k, v, q_src, do_src, off_b, off_h, lse_base, delta_base,
                      stride_qm, stride_qd, stride_dom, stride_dod,
-                     offs_n, offs_d, lo, hi, seq_len, kv_len, qk_scale,
+                     offs_n, lo, hi, seq_len, kv_len, qk_scale,
                      tv, tb, stride_vt, stride_vs, stride_bt, stride_br, tile_k, key_tail,
-                     BLOCK_M: tl.constexpr, N_TERMS: tl.constexpr, OPS: tl.constexpr, DOT_PREC: tl.constexpr):
+                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, N_TERMS: tl.constexpr, OPS: tl.constexpr,
+                     DOT_PREC: tl.constexpr, TMA: tl.constexpr):
     # _dkdv_tiles under a terms mask: query rows lo..hi of one head; key_tail: the key tile reaches
     # past kv_len (every tile masked)
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -628,14 +686,11 @@ def _dkdv_term_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
         if some:
             offs_m = start_m + offs_m0
             row_ok = offs_m < seq_len
-            qt = tl.load(q_base + tile_offsets_t(start_m, stride_qm, offs_d, stride_qd, BLOCK_M),
-                         mask=row_ok[None, :], other=0.0)
-            do = tl.load(do_base + tile_offsets(start_m, stride_dom, offs_d, stride_dod, BLOCK_M),
-                         mask=row_ok[:, None], other=0.0)
-            lse = tl.load(lse_base + offs_m, mask=row_ok, other=0.0)
-            lse = tl.where(lse == float("-inf"), float("inf"), lse)    # rows that attend nothing: P = 0
+            qt = _load_rows_t(q_src, off_b, off_h, start_m, stride_qm, stride_qd, seq_len, BLOCK_M, HEAD_D, True, TMA)
+            do = _load_rows(do_src, off_b, off_h, start_m, stride_dom, stride_dod, seq_len, BLOCK_M, HEAD_D, True, TMA)
+            lse = tl.load(lse_base + offs_m, mask=row_ok, other=0.0)    # log2 units, +inf: P = 0
             delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
-            pt = tl.math.exp2(tl.dot(k, qt, input_precision=DOT_PREC) * qk_scale - lse[None, :] * 1.4426950408889634)
+            pt = tl.math.exp2(tl.dot(k, qt, input_precision=DOT_PREC) * qk_scale - lse[None, :])
             if mixed | key_tail:
                 keep = _terms_keep(tv, stride_vt, stride_vs, offs_m, offs_n, seq_len, kv_len, N_TERMS, OPS, True)
                 pt = tl.where(keep, pt, 0.0)
@@ -644,21 +699,20 @@ def _dkdv_term_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
 
 
 @kernel
-def _dq_term_tiles(dq, q, do, lse, delta, k_base, v_base,
+def _dq_term_tiles(dq, q, do, lse, delta, k_src, v_src, off_b, off_hk,
                    stride_kn, stride_kd, stride_vn, stride_vd,
-                   offs_m, offs_d, lo, hi, seq_len, kv_len, qk_scale,
+                   offs_m, lo, hi, seq_len, kv_len, qk_scale,
                    tv, tb, stride_vt, stride_vs, stride_bt, stride_br, tile_q,
-                   BLOCK_N: tl.constexpr, N_TERMS: tl.constexpr, OPS: tl.constexpr, DOT_PREC: tl.constexpr):
+                   HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, N_TERMS: tl.constexpr, OPS: tl.constexpr,
+                   DOT_PREC: tl.constexpr, TMA: tl.constexpr):
     # _dq_tiles under a terms mask; lse in log2 units, +inf on rows that attend nothing
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         some, mixed = _tile_state(tb, stride_bt, stride_br, tile_q, start_n // BLOCK_N, N_TERMS, OPS)
         if some:
             offs_n = start_n + offs_n0
-            kt = tl.load(k_base + tile_offsets_t(start_n, stride_kn, offs_d, stride_kd, BLOCK_N),
-                         mask=offs_n[None, :] < seq_len, other=0.0)
-            vt = tl.load(v_base + tile_offsets_t(start_n, stride_vn, offs_d, stride_vd, BLOCK_N),
-                         mask=offs_n[None, :] < seq_len, other=0.0)
+            kt = _load_rows_t(k_src, off_b, off_hk, start_n, stride_kn, stride_kd, seq_len, BLOCK_N, HEAD_D, True, TMA)
+            vt = _load_rows_t(v_src, off_b, off_hk, start_n, stride_vn, stride_vd, seq_len, BLOCK_N, HEAD_D, True, TMA)
             p = tl.math.exp2(tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale - lse[:, None])
             if mixed | (start_n + BLOCK_N > kv_len):
                 keep = _terms_keep(tv, stride_vt, stride_vs, offs_m, offs_n, seq_len, kv_len, N_TERMS, OPS, False)
@@ -692,6 +746,32 @@ def _mask_args(tiles, tile_q: int, tile_k: int, seq_len: int, placeholder: torch
     return args, dict(N_TERMS=tiles.n_terms, OPS=tiles.ops)
 
 
+def tma_problem(t: torch.Tensor) -> Optional[str]:
+    """Why a tensor descriptor cannot address t (TMA needs a 16-byte aligned base, unit stride on
+    the last dim and every other stride a multiple of 16 bytes), or None."""
+    size = t.element_size()
+    if t.stride(-1) != 1:
+        return f"last-dim stride {t.stride(-1)} (needs 1)"
+    if any(st * size % 16 or st * size >= 2**40 for st in t.stride()[:-1]):
+        return f"strides {tuple(t.stride())} of {size}-byte elements (need multiples of 16 bytes)"
+    if t.device.type != "meta" and t.data_ptr() % 16:
+        return "base address not 16-byte aligned"
+    if max(t.shape) >= 2**31:
+        return f"shape {tuple(t.shape)} (dims < 2**31)"
+    return None
+
+
+def _tensors(cfg: dict, blocks: list):
+    """The kernels' tensor arguments: `blocks` pairs each tensor with the rows of its tiles. With cfg's
+    TMA on and every tensor addressable (tma_problem), 4-D tensor descriptors with [1, 1, rows, d]
+    blocks, made here on the host (no device allocator involved); else the tensors (pointers)."""
+    if not cfg.get("TMA") or any(tma_problem(t) for t, _ in blocks):
+        return False, [t for t, _ in blocks]
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return True, [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[3]]) for t, rows in blocks]
+
+
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                       cfg: dict, tiles=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward. q [b, hq, s, d], k/v [b, hkv, s, d], any strides, d a power of two
@@ -705,14 +785,15 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     o = torch.empty((b, hq, s, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, s), dtype=torch.float32, device=q.device)
     mask_args, mask_consts = _mask_args(tiles, cfg["BLOCK_M"], cfg["BLOCK_N"], s, lse)
+    tma, tensors = _tensors(cfg, [(q, cfg["BLOCK_M"]), (k, cfg["BLOCK_N"]), (v, cfg["BLOCK_N"]), (o, cfg["BLOCK_M"])])
     with launch_device(q):
         grid = check_grid((b * hq, triton.cdiv(s, cfg["BLOCK_M"])), f"flash attention forward at s={s}")
         _attn_fwd[grid](
-            q, k, v, o, lse,
+            *tensors, lse,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *mask_args,
             hq, hq // k.shape[1], s, scale * LOG2E,
             HEAD_D=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,
-            DOT_PREC=dot_precision(q.dtype), **mask_consts, num_warps=cfg["num_warps"],
+            DOT_PREC=dot_precision(q.dtype), **mask_consts, TMA=tma, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
         )
     return o, lse
@@ -728,13 +809,14 @@ def attention_backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, cf
     b, hq, s, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
-    lse = lse.contiguous()
+    lse = lse.to(torch.float32).contiguous()
     delta = torch.empty((b, hq, s), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty_like(delta)
     dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
     with launch_device(q):
         pre_block = 64
         _bwd_preprocess[(triton.cdiv(s, pre_block), b * hq)](
-            o, do, delta if dlse is None else dlse, delta, *o.stride(), *do.stride(), hq, s,
+            o, do, delta if dlse is None else dlse, delta, lse, lse2, *o.stride(), *do.stride(), hq, s,
             HEAD_D=d, BLOCK_M=pre_block, HAS_DLSE=dlse is not None, num_warps=4,
         )
         dq = torch.empty((b, hq, s, d), dtype=q.dtype, device=q.device)
@@ -743,18 +825,22 @@ def attention_backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, cf
         common = dict(HEAD_D=d, CAUSAL=causal, DOT_PREC=dot_precision(q.dtype),
                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         mask_args, mask_consts = _mask_args(tiles, cfg["BLOCK_M1"], cfg["BLOCK_N1"], s, lse)
-        _bwd_dkdv[check_grid((b * hkv, triton.cdiv(s, cfg["BLOCK_N1"])), f"flash attention dK/dV at s={s}")](
-            q, k, v, do, dk, dv, lse, delta,
+        m1, n1 = cfg["BLOCK_M1"], cfg["BLOCK_N1"]
+        tma, tensors = _tensors(cfg, [(q, m1), (k, n1), (v, n1), (do, m1), (dk, n1), (dv, n1)])
+        _bwd_dkdv[check_grid((b * hkv, triton.cdiv(s, n1)), f"flash attention dK/dV at s={s}")](
+            *tensors, lse2, delta,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *mask_args,
             hq, hkv, group, s, scale * LOG2E, scale,
-            BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], **common, **mask_consts,
+            BLOCK_M=m1, BLOCK_N=n1, **common, **mask_consts, TMA=tma,
         )
         mask_args, mask_consts = _mask_args(tiles, cfg["BLOCK_M2"], cfg["BLOCK_N2"], s, lse)
-        _bwd_dq[check_grid((b * hq, triton.cdiv(s, cfg["BLOCK_M2"])), f"flash attention dQ at s={s}")](
-            q, k, v, do, dq, lse, delta,
+        m2, n2 = cfg["BLOCK_M2"], cfg["BLOCK_N2"]
+        tma, tensors = _tensors(cfg, [(q, m2), (k, n2), (v, n2), (do, m2), (dq, m2)])
+        _bwd_dq[check_grid((b * hq, triton.cdiv(s, m2)), f"flash attention dQ at s={s}")](
+            *tensors, lse2, delta,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *mask_args,
             hq, group, s, scale * LOG2E, scale,
-            BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], **common, **mask_consts,
+            BLOCK_M=m2, BLOCK_N=n2, **common, **mask_consts, TMA=tma,
         )
     return dq, dk, dv
 
@@ -864,12 +950,23 @@ def _pad(t: torch.Tensor, dp: int) -> torch.Tensor:
     return t if t.shape[-1] == dp else F.pad(t, (0, dp - t.shape[-1]))
 
 
+def terms_forward_config(cfg: dict) -> dict:
+    """The forward's config for a terms mask: key tiles of at most 64, 8 warps for 128-row query
+    tiles. The terms forward also holds the mask vectors and tile bounds: on sm_90 it spills at
+    128x128 (bf16 d=128) and with 4 warps (fp16 d=64), and does not at 128x64 with 8 warps
+    (bench/compile_sm90.py). Same BLOCK_M, so every tiling rule still holds."""
+    warps = max(cfg["num_warps"], 8) if cfg["BLOCK_M"] >= 128 else cfg["num_warps"]
+    return dict(cfg, BLOCK_N=min(cfg["BLOCK_N"], 64), num_warps=warps)
+
+
 def _triton_forward(q, k, v, causal, scale, tiles=None):
     """The forward on any head dim (padded here) with the cached config; `tiles` as in attention_forward
     (masked_attention calls this too)."""
     d = q.shape[-1]
     dp = _padded_head_dim(d)
     cfg = config.lookup("flash_fwd", q.device, q.dtype, dp, causal, q.shape[2])
+    if tiles is not None:
+        cfg = terms_forward_config(cfg)
     out, lse = attention_forward(_pad(q, dp), _pad(k, dp), _pad(v, dp), causal, scale, cfg, tiles)
     return (out if dp == d else out[..., :d].contiguous()), lse
 

@@ -29,6 +29,22 @@ def test_cuda_triton_matches_float64(shape, dtype, causal):
                                                                                 backend="triton"))
 
 
+@pytest.mark.parametrize("tma", [1, 0], ids=["tma", "pointers"])
+def test_cuda_both_tile_paths_match_float64(tma):
+    # the default path on Hopper is TMA (config.py); the pointer path stays the fallback for strides a
+    # descriptor cannot take: both compiled, at the Hopper default tilings, on a [b, s, h, d] view
+    from autosp.kernels import config
+
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2)
+               for t in inputs(2, 8, 2, 777, 128, torch.bfloat16, seed=3, device="cuda"))
+    fwd = config.default_config("flash_fwd", q.device, q.dtype, 128, capability=(9, 0))
+    bwd = config.default_config("flash_bwd", q.device, q.dtype, 128, capability=(9, 0))
+    if tma and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("tensor descriptors need sm_90 or later")
+    with config.override("flash_fwd", **dict(fwd, TMA=tma)), config.override("flash_bwd", **dict(bwd, TMA=tma)):
+        check_fwd_bwd(q, k, v, True, "triton", TOL[torch.bfloat16], seed=4)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_cuda_ulysses_layouts_exact(dtype):
     ulysses_round(4, 2, 33, 128, [8, 4, 4], "triton", dtype=dtype, device="cuda")
