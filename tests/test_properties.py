@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.dist import RankPool
+from tests.dist import run_ranks
 
 RTOL = 1e-5
 EXAMPLES = int(os.environ.get("AUTOSP_PROPERTY_EXAMPLES", "5"))
@@ -115,27 +114,9 @@ def _job(rank, world, cfg):
     return None if worst <= RTOL else f"relative error {worst:.2e}"
 
 
-_POOLS: dict[int, RankPool] = {}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_pools():
-    yield
-    for pool in _POOLS.values():
-        pool.close()
-    _POOLS.clear()
-
-
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
           phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck))
 @given(configs())
 def test_random_transformers_shard_exactly(cfg):
-    world = cfg["p"]
-    if world not in _POOLS:
-        _POOLS[world] = RankPool(world)
-    try:
-        why = _POOLS[world].run(_job, cfg, timeout=600)[0]
-    except AssertionError:
-        _POOLS.pop(world, None)         # spent: the next example starts a fresh pool
-        raise
+    why = run_ranks(_job, cfg["p"], cfg, timeout=600)[0]     # the session's pool of that size
     assert why is None, f"{cfg}: {why}"

@@ -108,7 +108,7 @@ def _memory_job(rank, world, s, budgets):
 
 def test_measured_peak_falls_with_the_budget_and_matches_the_plan():
     """4-layer Llama-style model, SP=2, s=1024: the profiler's peak per rank against plan.peak_bytes."""
-    rows = run_ranks(_memory_job, 2, 1024, [1.0, 0.7, 0.5, 0.4])
+    rows = run_ranks(_memory_job, 2, 1024, [1.0, 0.7, 0.5, 0.4], fresh=True)   # measures its processes
     for rank_rows in rows:
         peaks = [m for _, m, _, _ in rank_rows]
         assert all(a > b for a, b in zip(peaks, peaks[1:])), f"peaks do not fall with the budget: {rank_rows}"

@@ -60,6 +60,7 @@ N_TERMS == 0 that code is compiled out: plain attention's kernels are unchanged.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -761,14 +762,23 @@ def tma_problem(t: torch.Tensor) -> Optional[str]:
     return None
 
 
+@functools.cache
+def _host_descriptors():
+    """Triton's host-side TensorDescriptor class (Triton >= 3.3), or None: older Tritons take pointers."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    return TensorDescriptor
+
+
 def _tensors(cfg: dict, blocks: list):
     """The kernels' tensor arguments: `blocks` pairs each tensor with the rows of its tiles. With cfg's
     TMA on and every tensor addressable (tma_problem), 4-D tensor descriptors with [1, 1, rows, d]
     blocks, made here on the host (no device allocator involved); else the tensors (pointers)."""
-    if not cfg.get("TMA") or any(tma_problem(t) for t, _ in blocks):
+    if not cfg.get("TMA") or _host_descriptors() is None or any(tma_problem(t) for t, _ in blocks):
         return False, [t for t, _ in blocks]
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
+    TensorDescriptor = _host_descriptors()
     return True, [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[3]]) for t, rows in blocks]
 
 
