@@ -16,6 +16,22 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def tma_launches(monkeypatch):
+    """Whether each flash-kernel launch of the test took tensor descriptors (flash._tensors' choice)."""
+    from autosp.kernels import flash
+
+    seen, choose = [], flash._tensors
+
+    def spy(cfg, blocks):
+        tma, tensors = choose(cfg, blocks)
+        seen.append(tma)
+        return tma, tensors
+
+    monkeypatch.setattr(flash, "_tensors", spy)
+    return seen
+
+
 def _gpu_ready() -> bool:
     from autosp.kernels import triton_available
     return torch.cuda.is_available() and triton_available()

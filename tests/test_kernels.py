@@ -159,20 +159,6 @@ def test_triton_tma_path_matches_float64(case, tma_launches):
     assert tma_launches == [True] * 3      # forward, dK/dV and dQ all ran on descriptors
 
 
-@pytest.fixture
-def tma_launches(monkeypatch):
-    """Whether each kernel launch of the test took tensor descriptors (flash._tensors' choice)."""
-    seen, choose = [], flash._tensors
-
-    def spy(cfg, blocks):
-        tma, tensors = choose(cfg, blocks)
-        seen.append(tma)
-        return tma, tensors
-
-    monkeypatch.setattr(flash, "_tensors", spy)
-    return seen
-
-
 @needs_interpreter
 def test_tma_falls_back_to_pointers(tma_launches):
     # strides TMA cannot take (a row of 132 bytes, a last-dim stride of 2): pointers, the same result

@@ -446,13 +446,6 @@ def test_triton_tma_path_matches_float64(name, _kernel_configs, tma_launches):
     assert tma_launches == [True] * 3
 
 
-@pytest.fixture
-def tma_launches(monkeypatch):
-    seen, choose = [], flash._tensors
-    monkeypatch.setattr(flash, "_tensors", lambda cfg, blocks: seen.append(choose(cfg, blocks)[0]) or choose(cfg, blocks))
-    return seen
-
-
 @needs_interpreter
 @pytest.mark.filterwarnings("ignore:All-NaN slice")
 def test_triton_skips_the_tiles_the_mask_empties(_kernel_configs):

@@ -776,9 +776,9 @@ def _tensors(cfg: dict, blocks: list):
     """The kernels' tensor arguments: `blocks` pairs each tensor with the rows of its tiles. With cfg's
     TMA on and every tensor addressable (tma_problem), 4-D tensor descriptors with [1, 1, rows, d]
     blocks, made here on the host (no device allocator involved); else the tensors (pointers)."""
-    if not cfg.get("TMA") or _host_descriptors() is None or any(tma_problem(t) for t, _ in blocks):
+    TensorDescriptor = _host_descriptors() if cfg.get("TMA") else None
+    if TensorDescriptor is None or any(tma_problem(t) for t, _ in blocks):
         return False, [t for t, _ in blocks]
-    TensorDescriptor = _host_descriptors()
     return True, [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[3]]) for t, rows in blocks]
 
 
