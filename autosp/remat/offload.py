@@ -4,8 +4,10 @@ its first backward use.
 On CUDA/ROCm the copies run on a side stream into pinned host memory, ordered after the
 producer by an event; the backward's `wait` makes the compute stream wait for the copy back
 right before the first use, so the transfer overlaps the equations in between. On CPU there
-is no device to leave: the value is copied into a separate host buffer and back, so the
-rewritten program is exercised (and its results tested) exactly as on a GPU.
+is no device to leave: the value is copied into a host buffer and back, so the rewritten
+program is exercised (and its results tested) exactly as on a GPU. The CPU's host buffers come
+from a pool kept across steps (`_HostPool`), so, as on a GPU, host copies are not the step's
+allocations and the memory model (which counts device bytes only) is the measurement.
 """
 from __future__ import annotations
 
@@ -22,11 +24,37 @@ def _stream(device: torch.device):
     return _side[idx]
 
 
+class _HostPool:
+    """Host buffers by (shape, dtype), reused once the copy handed out is gone (a step's host
+    copies die in its backward, so the next step finds them free)."""
+
+    def __init__(self):
+        self.slots: dict[tuple, list] = {}       # key -> [(buffer, weakref to the view handed out)]
+
+    def copy(self, x: Tensor) -> Tensor:
+        import weakref
+        key = (tuple(x.shape), x.dtype, torch.empty_like(x, device="meta").stride())    # clone's strides
+        slots = self.slots.setdefault(key, [])
+        slot = next((k for k, (_, ref) in enumerate(slots) if ref() is None), None)
+        if slot is None:
+            # the strides a clone of x has (the backward's views of the copy rely on them)
+            slots.append((torch.empty_like(x), lambda: None))
+            slot = len(slots) - 1
+        buf = slots[slot][0]
+        out = buf.detach()                        # a tensor of its own, sharing the pooled storage
+        out.copy_(x)
+        slots[slot] = (buf, weakref.ref(out))
+        return out
+
+
+_host_pool = _HostPool()
+
+
 @torch.library.custom_op("autosp::offload", mutates_args=())
 def offload(x: Tensor) -> Tensor:
-    """A host copy of x (pinned, asynchronous on a side stream on CUDA)."""
+    """A host copy of x (pinned, asynchronous on a side stream on CUDA; from a reused pool on CPU)."""
     if x.device.type != "cuda":
-        return x.clone()
+        return _host_pool.copy(x)
     side = _stream(x.device)
     side.wait_stream(torch.cuda.current_stream(x.device))
     host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)

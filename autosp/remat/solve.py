@@ -69,7 +69,7 @@ TIME_LIMIT = 20.0   # seconds per MIP; past it HiGHS's best answer so far is tak
 
 
 def _solve_rows(p: IlpProblem, rows: set[int], budget: float | None, minimize_peak: bool, gap: float = GAP,
-                feasibility: bool = False):
+                feasibility: bool = False, time_limit: float = TIME_LIMIT):
     nb, n = p.n_bin, p.n_vars
     cost = np.nan_to_num(p.cost, posinf=0.0)
     ub = np.concatenate([np.where(np.isinf(p.cost), 0.0, 1.0), np.ones(n - nb)])
@@ -113,28 +113,31 @@ def _solve_rows(p: IlpProblem, rows: set[int], budget: float | None, minimize_pe
     with _quiet():
         res = milp(c, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
                    bounds=Bounds(np.zeros(width), ub),
-                   options={"disp": False, "mip_rel_gap": gap, "time_limit": TIME_LIMIT})
+                   options={"disp": False, "mip_rel_gap": gap, "time_limit": time_limit})
     if res.x is None:
         return None
     return np.round(res.x[:nb])
 
 
 def solve(p: IlpProblem, budget: float | None = None, *, minimize_peak: bool = False,
-          max_rounds: int = 60, gap: float | None = None, feasibility: bool = False) -> np.ndarray:
+          max_rounds: int = 60, gap: float | None = None, feasibility: bool = False,
+          time_limit: float = TIME_LIMIT) -> np.ndarray:
     """The cheapest binary assignment whose modelled memory stays within `budget` at every time
     point (or, with minimize_peak, one with the smallest peak). Raises Infeasible."""
     rows = _seed_rows(p)
     x = None
     for _ in range(max_rounds):
-        x = _solve_rows(p, rows, budget, minimize_peak, GAP if gap is None else gap, feasibility)
+        x = _solve_rows(p, rows, budget, minimize_peak, GAP if gap is None else gap, feasibility, time_limit)
         if x is None:
             raise Infeasible()
         mem = p.memory(x)
         if minimize_peak:
-            t = int(np.argmax(mem))
-            if t in rows:
+            bound = max(float(mem[t]) for t in rows) if rows else -np.inf     # the peak the MIP saw
+            over = np.flatnonzero(mem > bound * (1 + 1e-9))
+            new = [int(t) for t in over[np.argsort(-mem[over])] if int(t) not in rows][:16]
+            if not new:
                 return x
-            rows.add(t)
+            rows.update(new)
             continue
         over = np.flatnonzero(mem > budget * (1 + 1e-9))
         new = [int(t) for t in over[np.argsort(-mem[over])] if int(t) not in rows][:16]
