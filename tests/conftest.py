@@ -31,11 +31,3 @@ def tma_launches(monkeypatch):
     monkeypatch.setattr(flash, "_tensors", spy)
     return seen
 
-
-def _gpu_ready() -> bool:
-    from autosp.kernels import triton_available
-    return torch.cuda.is_available() and triton_available()
-
-
-# The compiled-kernel tests need a GPU; on CPU they are not collected rather than skipped.
-collect_ignore = [] if _gpu_ready() else ["gpu"]

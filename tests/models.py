@@ -134,3 +134,25 @@ def reference(fn, params, *args):
     loss = fn(p, *args)
     grads = torch.autograd.grad(loss, list(p.values()), allow_unused=True)
     return loss.detach(), {k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(p.items(), grads)}
+
+
+def rank_errors(loss, grads, ref_loss, ref_grads) -> dict[str, float]:
+    """{tensor: relative error} of one rank's loss and grads against the single device, each relative
+    to the reference's largest entry (grads: mappings by name; a None reference grad is skipped).
+    A rank returns this, and the parent holds every rank to RTOL with assert_every_rank."""
+    ref = float(ref_loss)
+    out = {"loss": abs(float(loss) - ref) / max(abs(ref), 1e-12)}
+    for k, g in ref_grads.items():
+        if g is not None:
+            out[f"grad {k}"] = ((grads[k] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
+    return out
+
+
+def assert_every_rank(reports, rtol: float = RTOL) -> None:
+    """reports[rank][case] = rank_errors(...): every rank, not rank 0, holds every tensor to rtol;
+    a failure names the rank, the case, the tensor and its error (NaN fails too)."""
+    assert reports, "no rank reported"
+    bad = [f"rank {r} {case}: {t} relative error {e:.2e} > {rtol}"
+           for r, report in enumerate(reports) for case, errs in report.items()
+           for t, e in errs.items() if not e <= rtol]
+    assert not bad, f"{len(bad)} tensors off the single device:\n" + "\n".join(bad[:30])

@@ -96,10 +96,12 @@ def test_triton_odd_shapes(shape, causal):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_triton_large_logits(causal, dtype):
     # q and k scaled up: scores of a few hundred, whose row maxima grow from tile to tile, so the
-    # running-max rescale of earlier tiles decides the result
+    # running-max rescale of earlier tiles decides the result. Held to the standard (relative norms
+    # measured: fp32 3.1e-6 causal, 5.3e-6 full; fp16 8.0e-4, 9.0e-4: the kernel's fp16 rounding
+    # grows with the scores, and takes most of the 1e-3)
     q, k, v = inputs(1, 4, 2, 300, 64, dtype, seed=11 + causal)
     ramp = torch.linspace(1, 6, 300).view(1, 1, 300, 1).to(dtype)
-    check_fwd_bwd(q * 4, k * ramp, v, causal, "triton", {torch.float32: 1e-4, torch.float16: 5e-3}[dtype], seed=3)
+    check_fwd_bwd(q * 4, k * ramp, v, causal, "triton", TOL[dtype], seed=3)
 
 
 @needs_interpreter

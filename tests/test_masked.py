@@ -56,12 +56,59 @@ def qkv(b, hq, hkv, length, d, dtype=torch.float32, seed=0):
     return q, k, v, do
 
 
+# Every mask the tests use, written out with plain torch comparisons on broadcast positions: the
+# reference is independent of maskfn's evaluator, which is then under test (test_dense_mask_...).
+# q [L, 1] and k [1, L] positions; x[i] a leaf as per-position [b, L] (or a [b, 1, 1] scalar).
+HF_DOCS = "((x0[k] <= x1[q]) & (x2[q] == x3[k]))"
+HF_DOCS_WINDOW = "(((x0 & (x1[k] > x2[q])) & (x1[k] <= x3[q])) & (x4[q] == x5[k]))"
+DENSE = {
+    "k <= q": lambda q, k, x: k <= q,
+    "(k <= q)": lambda q, k, x: k <= q,
+    CAUSAL_DOCS: lambda q, k, x: (k <= q) & (at_q(x[0]) == at_k(x[0])),
+    "((k <= q) & (x0[q] == x1[k]))": lambda q, k, x: (k <= q) & (at_q(x[0]) == at_k(x[1])),
+    "(k <= q) & (x0[q] == x1[k])": lambda q, k, x: (k <= q) & (at_q(x[0]) == at_k(x[1])),
+    "(x1[k] <= x0[q]) & (x2[q] == x3[k])": lambda q, k, x: (at_k(x[1]) <= at_q(x[0])) & (at_q(x[2]) == at_k(x[3])),
+    HF_DOCS: lambda q, k, x: (at_k(x[0]) <= at_q(x[1])) & (at_q(x[2]) == at_k(x[3])),
+    HF_DOCS_WINDOW: lambda q, k, x: (x[0].bool() & (at_k(x[1]) > at_q(x[2])) & (at_k(x[1]) <= at_q(x[3]))
+                                     & (at_q(x[4]) == at_k(x[5]))),
+    "(k <= q) & (q - k < 20)": lambda q, k, x: (k <= q) & (q - k < 20),
+    "(k <= q) & (q - k < 100)": lambda q, k, x: (k <= q) & (q - k < 100),
+    "(k <= q) & (q - k < 150)": lambda q, k, x: (k <= q) & (q - k < 150),
+    "((k > (q - 8)) & (k <= q))": lambda q, k, x: (k > q - 8) & (k <= q),
+    "((k > (q - 40)) & (k <= q))": lambda q, k, x: (k > q - 40) & (k <= q),
+    "(k <= q) & (q - k < x0)": lambda q, k, x: (k <= q) & (q - k < x[0]),
+    "((k <= q) & x0[k])": lambda q, k, x: (k <= q) & at_k(x[0]).bool(),
+    "(k <= q) & x0[k]": lambda q, k, x: (k <= q) & at_k(x[0]).bool(),
+    "True": lambda q, k, x: torch.ones(q.shape[0], k.shape[1], dtype=torch.bool),
+    "where(x0[k] > 0, 0.0, -inf)": lambda q, k, x: torch.where(at_k(x[0]) > 0, 0.0, float("-inf")),
+    'where(k <= q, cast(k - q, "float32") * 0.125, -inf)':
+        lambda q, k, x: torch.where(k <= q, (k - q).float() * 0.125, float("-inf")),
+}
+
+
+def at_q(leaf):
+    """A per-position leaf ([b, L, 1] or [b, 1, L]) read at the query: [b, L, 1]."""
+    return leaf.reshape(leaf.shape[0], -1, 1)
+
+
+def at_k(leaf):
+    """... read at the key: [b, 1, L]."""
+    return leaf.reshape(leaf.shape[0], 1, -1)
+
+
+def plain_mask(mask, leaves, length):
+    """[b or 1, L, L] bool (or float) mask of DENSE[mask] with positions 0..L-1."""
+    pos = torch.arange(length)
+    dense = DENSE[mask](pos[:, None], pos[None, :], leaves)
+    return dense if dense.dim() == 3 else dense[None]
+
+
 def reference(q, k, v, do, mask, leaves, valid_len=None, scale=None):
-    """(out, lse, dq, dk, dv) in float64: SDPA with the dense mask (and padding), lse by hand."""
+    """(out, lse, dq, dk, dv) in float64: SDPA with the mask written out (and padding), lse by hand."""
     b, hq, length, d = q.shape
     valid_len = length if valid_len is None else valid_len
     scale = d ** -0.5 if scale is None else scale
-    dense = dense_mask(mask, leaves, length)
+    dense = plain_mask(mask, leaves, length)
     keep = torch.arange(length, device=dense.device) < valid_len
     if dense.dtype == torch.bool:
         dense = dense & keep
@@ -201,7 +248,8 @@ def test_blocks_equal_the_dense_mask():
     ids = doc_ids(100, 2)[:, :, None]
     mask = "(k <= q) & (x0[q] == x0[k]) & (q - k < 30)"
     dense = dense_mask(mask, [ids], 100)
-    assert dense.shape == (2, 100, 100) and dense.dtype == torch.bool
+    q, k, doc = torch.arange(100)[:, None], torch.arange(100)[None, :], ids[:, :, 0]
+    assert torch.equal(dense, (k <= q) & (doc[:, :, None] == doc[:, None, :]) & (q - k < 30))
     assert torch.equal(mask_block(mask, [ids], 13, 77, 40, 91), dense[:, 13:77, 40:91])
     assert mask_block("x0[q] > 2", [ids], 0, 5, 0, 7).shape == (2, 5, 7)
 
@@ -369,8 +417,6 @@ def test_exported_from_the_package():
 
 needs_interpreter = pytest.mark.skipif(interpreter_problem() is not None,
                                        reason=f"Triton interpreter unusable here: {interpreter_problem()}")
-HF_DOCS = "((x0[k] <= x1[q]) & (x2[q] == x3[k]))"
-HF_DOCS_WINDOW = "(((x0 & (x1[k] > x2[q])) & (x1[k] <= x3[q])) & (x4[q] == x5[k]))"
 
 
 def _hf_leaves(ids, window=None, gate=None):
@@ -397,6 +443,19 @@ TRITON_CASES = {
     "docs-head-dim-40": (1, 2, 1, 33, 40, CAUSAL_DOCS, lambda b, n: [doc_ids(n, b, seed=7)[:, None, :]], None),
 }
 TRITON_FP16 = ("hf-docs-127", "padding-empty-rows")
+
+
+@pytest.mark.parametrize("name", list(CASES) + [f"triton {n}" for n in TRITON_CASES])
+def test_dense_mask_equals_the_plain_comparisons(name):
+    """maskfn's evaluator against the masks written out in torch, on each case's leaves."""
+    if name.startswith("triton "):
+        b, _, _, length, _, mask, make_leaves, _ = TRITON_CASES[name.removeprefix("triton ")]
+    else:
+        b, _, _, length, _, mask, make_leaves, _, _ = CASES[name]
+    leaves = make_leaves(b, length)
+    want = plain_mask(mask, leaves, length).expand(b, length, length)
+    got = dense_mask(mask, leaves, length).expand(b, length, length)
+    assert got.dtype == want.dtype and torch.equal(got, want), name
 
 
 @pytest.fixture
@@ -483,7 +542,7 @@ def test_visited_tiles_follow_document_squares():
     for mask in (CAUSAL_DOCS, "((k > (q - 40)) & (k <= q))"):
         tiles = TileMask.build(recognise(mask), [ids], 512, 512, torch.device("cpu"))
         visited = flash.visited_tiles(tiles, 64, 32)
-        dense = dense_mask(mask, [ids], 512)[0]
+        dense = plain_mask(mask, [ids], 512)[0]
         assert torch.equal(visited, dense.view(8, 64, 16, 32).any(3).any(1).sum(1).int()), mask
         assert int(visited.sum()) < 0.5 * sum(2 * i + 2 for i in range(8))       # causal: 72 tiles
 

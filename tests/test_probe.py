@@ -2,6 +2,7 @@
 import torch
 
 from tests.dist import run_ranks
+from tests.models import assert_every_rank
 
 
 @torch.library.custom_op("autosp_test::rowwise", mutates_args=())
@@ -52,6 +53,7 @@ def _attention_loss(op):
 def _job(rank, world):
     import autosp
     from torch.distributed.device_mesh import init_device_mesh
+    from tests.models import rank_errors
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
     g = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(8, 8, generator=g), "g": torch.randn(8, generator=g)}
@@ -59,18 +61,19 @@ def _job(rank, world):
     fn = _attention_loss(rowwise)
     p = {k: v.clone().requires_grad_(True) for k, v in params.items()}
     ref = fn(p, x)
-    ref_grads = torch.autograd.grad(ref, list(p.values()))
+    ref_grads = dict(zip(p, torch.autograd.grad(ref, list(p.values()))))
     loss, grads = autosp.value_and_grad(fn, mesh)(params, x)
-    errs = [abs(loss.item() - ref.item())] + [(grads[k] - r).abs().max().item() for k, r in zip(p, ref_grads)]
     try:
         autosp.value_and_grad(_attention_loss(running), mesh)(params, x)
         mixed = None
     except autosp.AutospError as exc:
         mixed = str(exc)
-    return max(errs), mixed
+    return {"rowwise": rank_errors(loss, grads, ref, ref_grads)}, mixed
 
 
 def test_probe_shards_an_unknown_positionwise_op_and_refuses_a_mixing_one():
-    err, mixed = run_ranks(_job, 2)[0]
-    assert err < 1e-5
-    assert mixed is not None and "mixes positions along the sequence" in mixed and "running" in mixed
+    results = run_ranks(_job, 2)
+    assert_every_rank([errors for errors, _ in results])
+    for rank, (_, mixed) in enumerate(results):
+        assert mixed is not None and "mixes positions along the sequence" in mixed and "running" in mixed, \
+            (rank, mixed)

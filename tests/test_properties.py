@@ -4,8 +4,8 @@ Each example is a random configuration: heads and KV heads (fewer KV heads than 
 included), head dims, layers, lengths (primes, lengths shorter than P), batch, P in {2, 3, 4},
 attention through SDPA (causal or an explicit mask) or written out (matmul, softmax), random
 ignore_index patterns, tied embeddings. Every configuration runs in real gloo processes against
-the single device (fp32, rtol 1e-5 of each tensor's largest entry); one pool of processes per P
-serves all examples, so an example costs its compile and run, not a process start.
+the single device, on every rank (fp32, rtol 1e-5 of each tensor's largest entry); one pool of
+processes per P serves all examples, so an example costs its compile and run, not a process start.
 
 CI runs a few examples; the longer run is
 
@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tests.dist import run_ranks
+from tests.models import assert_every_rank
 
-RTOL = 1e-5
 EXAMPLES = int(os.environ.get("AUTOSP_PROPERTY_EXAMPLES", "5"))
 LENGTHS = [2, 3, 5, 7, 11, 13, 16, 17, 24, 31]
 
@@ -104,19 +104,24 @@ def _job(rank, world, cfg):
         loss, grads = autosp.value_and_grad(fn, mesh)(params, ids, labels)
     except Exception as exc:  # noqa: BLE001 - report the configuration, keep the ranks in step
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-    worst = abs(loss.item() - ref.item()) / max(abs(ref.item()), 1e-12)
-    # relative to each grad's largest entry, or to 1e-2 of the largest entry of any grad where that
-    # is larger: a grad that is zero on one device (s=2: the one counted query attends only to
-    # itself, so Q and K get none) is fp32 rounding noise on P ranks, not 0 to the last bit
-    floor = 1e-2 * max(g.abs().max().item() for g in ref_grads.values())
+    errors = {"loss": abs(loss.item() - ref.item()) / max(abs(ref.item()), 1e-12)}
+    # relative to each grad's largest entry; a grad that is exactly zero on one device (s=2: the one
+    # counted query attends only to itself, so Q and K get none) is fp32 rounding noise on P ranks,
+    # not 0 to the last bit, and is held relative to the largest entry of any grad instead (40
+    # examples, 19 of them s=2: worst 1.8e-6 on any rank; the 1e-2 floor this replaces applied to all)
+    largest = max(g.abs().max().item() for g in ref_grads.values())
     for k, gref in ref_grads.items():
-        worst = max(worst, (grads[k] - gref).abs().max().item() / max(gref.abs().max().item(), floor))
-    return None if worst <= RTOL else f"relative error {worst:.2e}"
+        scale = gref.abs().max().item() or largest
+        errors[f"grad {k}"] = (grads[k] - gref).abs().max().item() / scale
+    return errors
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
           phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck))
 @given(configs())
 def test_random_transformers_shard_exactly(cfg):
-    why = run_ranks(_job, cfg["p"], cfg, timeout=600)[0]     # the session's pool of that size
-    assert why is None, f"{cfg}: {why}"
+    reports = run_ranks(_job, cfg["p"], cfg, timeout=600)     # the session's pool of that size
+    failed = [f"rank {r}: {why}" for r, why in enumerate(reports) if isinstance(why, str)]
+    assert not failed, f"{cfg}: {failed}"
+    print(f"{cfg}: worst relative error {max(e for report in reports for e in report.values()):.2e}")  # -s
+    assert_every_rank([{str(cfg): report} for report in reports])

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from tests.dist import run_ranks
-from tests.models import assert_close as _close, reference as _reference
+from tests.models import assert_close as _close, assert_every_rank, reference as _reference
 
 
 def _case(which, s, seed, **extra):
@@ -57,6 +57,58 @@ def test_other_hf_models():
     """Qwen2 (biased Q/K/V projections) and Mistral with a sliding window (an explicit mask)."""
     run_ranks(_sp_job, 2, [("hf", 45, {"arch": "qwen2"}), ("hf", 45, {"arch": "mistral", "sliding_window": 8})])
 
+
+
+def _reused_job(rank, world, s):
+    """A compiled step called again with other values (batch, labels, parameters, document
+    boundaries) of the same shapes: the cache is keyed on shapes, so the second call must not reuse
+    anything the first call's values decided."""
+    import autosp
+    from torch.distributed.device_mesh import init_device_mesh
+    from tests.models import batch, llama_loss, params_of, rank_errors, tiny_llama
+    from tests.test_masks import packed_positions
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
+    torch.manual_seed(0)
+    model = tiny_llama()
+    fn = llama_loss(model)
+    first = params_of(model)
+    g = torch.Generator().manual_seed(1)
+    second = {k: v + 0.1 * torch.randn(v.shape, generator=g) for k, v in first.items()}
+    calls = [(first, batch(2, s, 64, seed=0, pad=3)), (second, batch(2, s, 64, seed=1, pad=9)),
+             (first, batch(2, s, 64, seed=2))]
+
+    def packed(params, ids, labels, pos):
+        return torch.func.functional_call(model, params, (ids,), {"labels": labels, "position_ids": pos}).loss
+    docs = [[s // 2, s - s // 2], [3, 1, s - 20, 16], [s]]          # other boundaries, then none
+
+    def shard_then_grad(step):
+        def run(params, *args):
+            p = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+            loss = step(p, *args)
+            return loss.detach(), dict(zip(p, torch.autograd.grad(loss, list(p.values()))))
+        run.sharded = step
+        return run
+
+    entries = {"shard": (fn, shard_then_grad(autosp.shard(fn, mesh))),
+               "value_and_grad": (fn, autosp.value_and_grad(fn, mesh)),
+               "value_and_grad memory_budget=0.6": (fn, autosp.value_and_grad(fn, mesh, memory_budget=0.6)),
+               "value_and_grad packed position_ids": (packed, autosp.value_and_grad(packed, mesh))}
+    errors, compiled = {}, {}
+    for name, (single, step) in entries.items():
+        for i, (params, (ids, labels)) in enumerate(calls):
+            args = (ids, labels) if single is fn else (ids, labels, packed_positions(docs[i]))
+            ref_loss, ref_grads = _reference(single, params, *args)
+            loss, grads = step(params, *args)
+            errors[f"{name} call {i}"] = rank_errors(loss, grads, ref_loss, ref_grads)
+        compiled[name] = len(step.sharded._cache)
+    return errors, compiled
+
+
+def test_compiled_step_reused_with_new_values():
+    results = run_ranks(_reused_job, 2, 45)
+    assert_every_rank([errors for errors, _ in results])
+    for rank, (_, compiled) in enumerate(results):     # one compile served the three calls
+        assert all(n == 1 for n in compiled.values()), (rank, compiled)
 
 def _dp_sp_job(rank, world, cases):
     import autosp

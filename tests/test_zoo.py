@@ -3,23 +3,22 @@
 Tiny random configs of transformers' dense decoders (SDPA, and eager attention where that is the
 model's only path), three MoE models (Mixtral with its load-balancing loss, Qwen2-MoE, DeepSeek-V3's
 MLA), and a Meta-reference-style Llama with complex RoPE (tests/zoo.py). SP = 2 with a length that P
-does not divide, SP = 4 with one it does; loss and every grad against the single device (fp32,
-rtol 1e-5); the per-rank program has exactly one all-to-all before and one after attention in each
-layer, and no all-gather of the sequence anywhere.
+does not divide, SP = 4 with one it does; the loss and every grad of every rank against the single
+device (fp32, rtol 1e-5); every rank's program has exactly one all-to-all before and one after
+attention in each layer, and no all-gather of the sequence anywhere.
 """
 import pytest
 import torch
 
 from tests.dist import run_ranks
+from tests.models import assert_every_rank
 from tests.zoo import NAMES
-
-RTOL = 1e-5
 
 
 def _zoo_job(rank, world, names, s):
     import autosp
     from torch.distributed.device_mesh import init_device_mesh
-    from tests.models import batch
+    from tests.models import batch, rank_errors
     from tests.zoo import build
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
     report = {}
@@ -32,28 +31,27 @@ def _zoo_job(rank, world, names, s):
         ref_grads = torch.autograd.grad(ref, list(p.values()), allow_unused=True)
         vg = autosp.value_and_grad(fn, mesh)
         loss, grads = vg(params, ids, labels)
-        worst = abs(loss.item() - ref.item()) / abs(ref.item())
-        for k, g in zip(params, ref_grads):
-            if g is not None:
-                worst = max(worst, ((grads[k] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item())
         (local, _, _), = vg.sharded._cache.values()
         layers = model.config.num_hidden_layers if hasattr(model, "config") else len(model.layers)
-        report[name] = (worst, sum(e.op.name == "all_to_all" for e in local.eqns),
+        report[name] = (rank_errors(loss, grads, ref, dict(zip(params, ref_grads))),
+                        sum(e.op.name == "all_to_all" for e in local.eqns),
                         sum(e.op.name == "all_gather_seq" for e in local.eqns), 2 * layers)
     return report
 
 
 @pytest.mark.parametrize("world,s,names", [(2, 45, NAMES), (4, 48, NAMES)], ids=["sp2-odd", "sp4-even"])
 def test_zoo_shards_exactly_and_head_parallel(world, s, names):
-    report = run_ranks(_zoo_job, world, names, s, timeout=1800)[0]
-    bad = {n: r for n, r in report.items() if not (r[0] <= RTOL and r[1] == r[3] and r[2] == 0)}
-    assert not bad, f"(max relative error, all-to-alls, sequence gathers, expected all-to-alls): {bad}"
+    reports = run_ranks(_zoo_job, world, names, s, timeout=1800)
+    assert_every_rank([{n: r[0] for n, r in report.items()} for report in reports])
+    bad = {(f"rank {rank}", n): r[1:] for rank, report in enumerate(reports) for n, r in report.items()
+           if not (r[1] == r[3] and r[2] == 0)}
+    assert not bad, f"(all-to-alls, sequence gathers, expected all-to-alls): {bad}"
 
 
 def test_moe_default_experts_kernel_error_says_what_to_set():
     """transformers' default experts kernel (grouped_mm) cannot be traced in fp32: the error says what to set."""
     import autosp
-    from tests.models import batch
+    from tests.models import batch, rank_errors
     from tests.zoo import hf_loss, hf_model
     model = hf_model("mixtral", experts_implementation=None)
     params = {k: v.detach() for k, v in model.named_parameters()}

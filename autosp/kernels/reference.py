@@ -22,7 +22,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2, torch.float64: 1e-10}
+# the project's standard; measured on CPU (Triton interpreter and SDPA), fp16 relative norms are
+# 2e-4..5e-4 (9e-4 with logits of a few hundred, test_triton_large_logits)
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float64: 1e-10}
 SDPA_FACTOR = 2.0
 # fp32: both at rounding level, so the floor keeps the 1e-5 contract
 FLOOR = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}
