@@ -7,8 +7,8 @@ Per sequence length (per rank; the global length is sp times it):
   none      autosp, memory_budget=None (what autograd saves)
   autosp    autosp's ILP plan at budgets 1.0 ... down to the least it reaches
   torch     the same sharded graph (autosp's per-rank forward) through functorch's aot_module:
-            default_partition (saves what the backward reads: no recompute), then
-            min_cut_rematerialization_partition with torch's activation_memory_budget swept; the
+            default_partition, then min_cut_rematerialization_partition with torch's
+            activation_memory_budget swept; the
             all-to-all is priced for the partitioner at the FLOPs its transfer time would buy, so
             it sees what recomputing a collective costs
   ulysses   hand-written Ulysses (DeepSpeed's DistributedAttention), without and with per-layer full
@@ -16,9 +16,11 @@ Per sequence length (per rank; the global length is sp times it):
 Peaks: the profiler's allocation events (autosp.memory.peak_bytes), one step, on top of the
 parameters and the batch; every method's previous grads are freed before the window opens.
 Recompute FLOPs, counted alike for every method: torch's FlopCounterMode around one executed
-forward + backward, minus the same count for the no-remat step of the same method (none, torch
-default, ulysses). Collectives count 0 everywhere (DeepSpeed's c10d all-to-all has no formula,
-so autosp's partitioner price is not counted either).
+forward + backward, minus the same count for the no-remat step of the same program: `none` for
+autosp and torch (autograd running that per-rank program saves what the backward reads; torch's
+default_partition is no such baseline: its backward runs attention's forward again), plain Ulysses
+for the checkpointed one. Collectives count 0 everywhere (DeepSpeed's c10d all-to-all has no
+formula, so autosp's all-to-all is not priced here either).
 Step times: median of --steps, the methods run round-robin (A/B/C/...) on the same ranks.
 """
 from __future__ import annotations
@@ -148,7 +150,7 @@ def _job(rank, world, args, seq):
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=sp)
             return loss.detach()
-        methods[name] = (torch_step, "torch default")
+        methods[name] = (torch_step, "none")
 
     # ---- hand-written Ulysses with per-layer checkpointing (torch.utils.checkpoint)
     if args.ds:
@@ -232,13 +234,14 @@ def main(argv=None):
         res = run_ranks(_job, args.sp, args, seq, timeout=7200)
         rows = res[0]
         print(f"\n## s = {seq} per rank ({seq * args.sp} global), {time.perf_counter() - t0:.0f} s\n")
-        print("| method | peak/rank (MiB) | max peak over ranks (MiB) | recompute FLOPs | max over ranks | "
+        print("| method | peak/rank (MiB) | max peak over ranks (MiB) | step FLOPs | recompute FLOPs | max over ranks | "
               "median step (s) | loss |")
-        print("|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|")
         for name, r in rows.items():
             worst = max(rr[name]["peak"] for rr in res)
             most = max(rr[name]["flops"] for rr in res)
-            print(f"| {name} | {r['peak'] / 2**20:.2f} | {worst / 2**20:.2f} | {r['flops']:.3g} | {most:.3g} | "
+            print(f"| {name} | {r['peak'] / 2**20:.2f} | {worst / 2**20:.2f} | {r['step_flops']:.4g} | "
+                  f"{r['flops']:.3g} | {most:.3g} | "
                   f"{statistics.median(r['times']):.3f} | {r['loss']:.6f} |")
         print("\n| torch point | its peak (MiB) | its recompute FLOPs | autosp's best peak at <= those FLOPs | ratio |")
         print("|---|---|---|---|---|")
