@@ -8,9 +8,8 @@ Per sequence length (per rank; the global length is sp times it):
   autosp    autosp's ILP plan at budgets 1.0 ... down to the least it reaches
   torch     the same sharded graph (autosp's per-rank forward) through functorch's aot_module:
             default_partition, then min_cut_rematerialization_partition with torch's
-            activation_memory_budget swept; the
-            all-to-all is priced for the partitioner at the FLOPs its transfer time would buy, so
-            it sees what recomputing a collective costs
+            activation_memory_budget swept; the all-to-all is priced for the partitioner at the
+            FLOPs its transfer time would buy, so it sees what recomputing a collective costs
   ulysses   hand-written Ulysses (DeepSpeed's DistributedAttention), without and with per-layer full
             checkpointing (HF gradient checkpointing: torch.utils.checkpoint), if deepspeed imports
 Peaks: the profiler's allocation events (autosp.memory.peak_bytes), one step, on top of the
@@ -90,7 +89,7 @@ def _job(rank, world, args, seq):
     ids, labels = batch(1, seq * world, args.vocab, pad=5)
     live = _differentiable(params)
     flat = list(live.values()) + [ids, labels]
-    methods = {}                     # name -> (step, name of the same method's no-remat step)
+    methods = {}                     # name -> (step, name of the same program's no-remat step)
     owners = [live.values()]         # every method's parameters: clear() frees their grads
 
     def clear():
@@ -128,8 +127,8 @@ def _job(rank, world, args, seq):
         methods[f"autosp least ({least / plan.no_remat_peak_bytes:.3f})"] = (
             as_step(lambda step=step: step(live, ids, labels)), "none")
 
-    # ---- torch: the same per-rank graph through aot_module: the default partition (no remat), then
-    # min-cut with activation_memory_budget swept
+    # ---- torch: the same per-rank graph through aot_module: the default partition, then min-cut with
+    # activation_memory_budget swept
     import torch._functorch.config as fconfig
     from functorch.compile import aot_module, default_partition, min_cut_rematerialization_partition
     from torch._dynamo.backends.debugging import boxed_nop
