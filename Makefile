@@ -12,7 +12,7 @@ $(STAMP): setup.cfg pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q '$(TORCH)'
-	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q -e '.[test,train]'
 	touch $(STAMP)
 
 # `autosp train` on 2 CPU ranks (torch.distributed.run), tiny preset, the stdlib's source as bytes

@@ -6,10 +6,13 @@
 
 Bad input exits with code 2 and a message that says what to pass instead; nothing is written.
 `autosp train` under an outer torchrun (RANK, WORLD_SIZE set) trains on the ranks it was given.
+The verbs build transformers models: `pip install 'autosp[train]'` (transformers, tqdm for the progress
+bar, matplotlib for the PNGs); `pip install autosp` alone gets exit code 2 and that command.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -142,6 +145,17 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+TRAIN_EXTRA = "pip install 'autosp[train]'"
+
+
+def _require_transformers(verb: str) -> None:
+    # Every verb's models are transformers causal LMs; `pip install autosp` leaves it out, since the
+    # library (autosp.shard) never imports it.
+    if importlib.util.find_spec("transformers") is None:
+        raise AutospError(f"`autosp {verb}` needs transformers, which `pip install autosp` does not install. "
+                          f"Fix: {TRAIN_EXTRA} (transformers, tqdm, matplotlib).")
+
+
 # ---------------------------------------------------------------- train
 
 def _in_torchrun() -> bool:
@@ -251,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         parser().print_help(sys.stderr)
         return 2
     try:
+        _require_transformers(a.verb)
         if a.verb == "train":
             return _train(a, argv)
         if a.verb == "plan":

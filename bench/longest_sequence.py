@@ -118,12 +118,19 @@ def _job(rank, world, args):
             return None
         return step
 
+    def free_grads():
+        # before every measured or timed window: the previous step's grads are freed outside it on
+        # every side (autosp's value_and_grad returns its grads, dropped when its step returns)
+        for m in ds.values():
+            m.zero_grad(set_to_none=True)
+
     def fits(method):
         def probe(s):
             step = make(method, s)
             refused = worst(step is None)
             if refused:
                 return False, None
+            free_grads()
             dist.barrier(sp)
             peak = worst(peak_bytes(step)[0])
             steps[(method, s)] = step
@@ -134,6 +141,7 @@ def _job(rank, world, args):
     for method in ("ulysses", "ulysses+ckpt", "autosp"):
         t0 = time.perf_counter()
         say(f"  {method}:", flush=True)
+        free_grads()
         make(method, args.granularity)()          # warm up the method's code paths once
         found[method] = search(fits(method), memory, args.granularity, args.start, args.cap,
                                lambda m: say(m, flush=True), secant=method != "autosp")
@@ -143,9 +151,11 @@ def _job(rank, world, args):
         times = {p: [] for p in pairs}
         fns = {p: steps.get(p) or make(*p) for p in pairs}
         for p in pairs:
+            free_grads()
             fns[p]()
         for _ in range(args.steps):
             for p in pairs:
+                free_grads()
                 dist.barrier(sp)
                 t0 = time.perf_counter()
                 fns[p]()

@@ -16,6 +16,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -47,12 +48,29 @@ def build(case: str, s: int):
     return loss_fn, params, (ids, ids.clone()) + tuple(extra.values())
 
 
+@contextmanager
+def _mask_functions(on: bool):
+    """AUTOSP_MASK_FUNCTIONS for one job only: the rank processes are a pool that runs every later row."""
+    before = os.environ.get("AUTOSP_MASK_FUNCTIONS")
+    os.environ["AUTOSP_MASK_FUNCTIONS"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["AUTOSP_MASK_FUNCTIONS"]
+        else:
+            os.environ["AUTOSP_MASK_FUNCTIONS"] = before
+
+
 def _job(rank, world, case, s, steps, dense):
+    with _mask_functions(not dense):
+        return _measure(world, case, s, steps)
+
+
+def _measure(world, case, s, steps):
     import autosp
     from autosp.memory import peak_bytes
     from torch.distributed.device_mesh import init_device_mesh
-    if dense:
-        os.environ["AUTOSP_MASK_FUNCTIONS"] = "0"
     fn, params, args = build(case, s)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
     step = autosp.shard(fn, mesh)

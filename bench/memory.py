@@ -1,6 +1,9 @@
 """Per-rank peak memory of one training step (forward + backward), autosp at SP=P vs one device.
 
     .venv/bin/python bench/memory.py --seq 2048 --sp 2 4
+
+Peaks: bytes allocated above what was live before the step (autosp.memory.peak_bytes, the profiler's
+allocation events); the single-device step runs on rank 0.
 """
 import argparse
 import os
@@ -30,7 +33,7 @@ def _job(rank, world, seq, layers, hidden, vocab):
     if rank == 0:
         def single():
             loss = fn(live, ids, labels)
-            loss.backward()              # MemTracker's module hooks do not support autograd.grad
+            loss.backward()
             return loss.detach(), None
         res["single"], (ref, _) = peak_bytes(single, *live.values(), ids, labels)
         res["ref"] = ref.item()

@@ -6,15 +6,20 @@ memory for recomputation, on the same sharded Llama-style model, SP gloo ranks o
 Per sequence length (per rank; the global length is sp times it):
   none      autosp, memory_budget=None (what autograd saves)
   autosp    autosp's ILP plan at budgets 1.0 ... down to the least it reaches
-  torch     the same sharded graph (autosp's per-rank forward) through functorch's aot_module with
-            min_cut_rematerialization_partition, torch's activation_memory_budget swept; attention
-            and autosp's collectives given honest FLOP formulas (the all-to-all priced at the
-            FLOPs its transfer time would buy), so the partitioner sees what recomputing costs
-  ckpt      hand-written Ulysses (DeepSpeed's DistributedAttention) with per-layer full
+  torch     the same sharded graph (autosp's per-rank forward) through functorch's aot_module:
+            default_partition, then min_cut_rematerialization_partition with torch's
+            activation_memory_budget swept; the all-to-all is priced for the partitioner at the
+            FLOPs its transfer time would buy, so it sees what recomputing a collective costs
+  ulysses   hand-written Ulysses (DeepSpeed's DistributedAttention), without and with per-layer full
             checkpointing (HF gradient checkpointing: torch.utils.checkpoint), if deepspeed imports
 Peaks: the profiler's allocation events (autosp.memory.peak_bytes), one step, on top of the
-parameters and the batch. Recompute FLOPs: the plan's (autosp), the partitioned graphs' FLOPs
-beyond the joint graph's (torch), FlopCounterMode's step total beyond the plain step's (ckpt).
+parameters and the batch; every method's previous grads are freed before the window opens.
+Recompute FLOPs, counted alike for every method: torch's FlopCounterMode around one executed
+forward + backward, minus the same count for the no-remat step of the same program: `none` for
+autosp and torch (autograd running that per-rank program saves what the backward reads; torch's
+default_partition is no such baseline: its backward runs attention's forward again), plain Ulysses
+for the checkpointed one. Collectives count 0 everywhere (DeepSpeed's c10d all-to-all has no
+formula, so autosp's all-to-all is not priced here either).
 Step times: median of --steps, the methods run round-robin (A/B/C/...) on the same ranks.
 """
 from __future__ import annotations
@@ -34,32 +39,16 @@ AUTOSP_BUDGETS = (1.0, 0.8, 0.6, 0.5, 0.4)
 TORCH_BUDGETS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
 
 
-def _graph_flops(gm) -> int:
-    """FLOPs of an fx graph's calls, from torch's flop registry and the nodes' fake values."""
-    from torch.utils.flop_counter import flop_registry
-
-    from autosp.remat.cost import _register_formulas
-    _register_formulas()
-    total = 0
-    for n in gm.graph.nodes:
-        if n.op != "call_function":
-            continue
-        f = flop_registry.get(getattr(n.target, "overloadpacket", None))
-        if f is None:
-            continue
-        val = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a  # noqa: E731
-        args = torch.fx.node.map_aggregate(n.args, val)
-        kwargs = torch.fx.node.map_aggregate(n.kwargs, val)
-        try:
-            total += int(f(*args, out_val=n.meta.get("val"), **kwargs))
-        except Exception:  # noqa: BLE001
-            pass
-    return total
+def _step_flops(step) -> int:
+    """FLOPs of one executed step, by torch's counter; a collective counts 0 (see the docstring)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False, custom_mapping={torch.ops.autosp.all_to_all: _no_flops}) as fc:
+        step()
+    return fc.get_total_flops()
 
 
-def _program_flops(program) -> int:
-    from autosp.remat.cost import flops
-    return sum(flops(e) for g in (program.forward, program.backward) for e in g.eqns)
+def _no_flops(*args, **kwargs) -> int:
+    return 0
 
 
 def _register_collective_flops():
@@ -86,12 +75,11 @@ def _job(rank, world, args, seq):
     from autosp.api import Sharded, _differentiable
     from autosp.ir.lower import lower
     from autosp.memory import peak_bytes
-    from autosp.remat import joint_of, make_plan
-    from autosp.remat.cost import device_for
+    from autosp.remat import joint_of
     from tests.models import batch, llama_loss, params_of, tiny_llama
 
     torch.set_num_threads(1)
-    _register_collective_flops()          # before any plan: both sides count an all-to-all alike
+    _register_collective_flops()          # before torch's partitioner first runs
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
     sp = mesh.get_group("sp")
     torch.manual_seed(0)
@@ -101,15 +89,16 @@ def _job(rank, world, args, seq):
     ids, labels = batch(1, seq * world, args.vocab, pad=5)
     live = _differentiable(params)
     flat = list(live.values()) + [ids, labels]
-    methods = {}                     # name -> (step, recompute flops)
+    methods = {}                     # name -> (step, name of the same program's no-remat step)
+    owners = [live.values()]         # every method's parameters: clear() frees their grads
 
     def clear():
-        for p in live.values():
-            p.grad = None
+        for ps in owners:
+            for p in ps:
+                p.grad = None
 
     def as_step(f):
         def step():
-            clear()
             loss = f()
             loss.backward()
             return loss.detach()
@@ -117,18 +106,18 @@ def _job(rank, world, args, seq):
 
     # ---- autosp: no remat, and the ILP at each budget
     none = autosp.shard(fn, mesh)
-    methods["none"] = (as_step(lambda: none(live, ids, labels)), 0)
+    methods["none"] = (as_step(lambda: none(live, ids, labels)), "none")
     _, local = Sharded(fn, mesh).graphs(live, ids, labels)
-    boundary, joint = joint_of(local)
+    boundary, _ = joint_of(local)
     for b in args.budgets:
         step = autosp.shard(fn, mesh, memory_budget=b)
         try:
-            plan = step.plan(live, ids, labels)
+            step.plan(live, ids, labels)
         except autosp.AutospError as exc:
             if "smallest peak" not in str(exc):
                 raise
             continue
-        methods[f"autosp {b}"] = (as_step(lambda step=step: step(live, ids, labels)), plan.recompute_flops)
+        methods[f"autosp {b}"] = (as_step(lambda step=step: step(live, ids, labels)), "none")
     try:                                   # the least the planner reaches, read from its refusal of 1 byte
         autosp.plan(fn, mesh, params, ids, labels, memory_budget=1)
     except autosp.AutospError as exc:
@@ -136,60 +125,54 @@ def _job(rank, world, args, seq):
         step = autosp.shard(fn, mesh, memory_budget=least)
         plan = step.plan(live, ids, labels)
         methods[f"autosp least ({least / plan.no_remat_peak_bytes:.3f})"] = (
-            as_step(lambda step=step: step(live, ids, labels)), plan.recompute_flops)
+            as_step(lambda step=step: step(live, ids, labels)), "none")
 
-    # ---- torch: the same per-rank graph through aot_module + min-cut, activation_memory_budget swept
+    # ---- torch: the same per-rank graph through aot_module: the default partition, then min-cut with
+    # activation_memory_budget swept
     import torch._functorch.config as fconfig
-    from functorch.compile import aot_module, min_cut_rematerialization_partition
+    from functorch.compile import aot_module, default_partition, min_cut_rematerialization_partition
     from torch._dynamo.backends.debugging import boxed_nop
     gm = lower(boundary.graph)
-    full_plan, full_program = make_plan(joint, None, device_for("cpu"))
-    joint_flops = _program_flops(full_program)
     scale = boundary.scale[0]
-    for b in args.torch_budgets:
-        graphs = {}
-
-        def keep(name):
-            def compiler(g, inputs):
-                graphs[name] = g
-                return boxed_nop(g, inputs)
-            return compiler
-
+    for name, partition, b in [("torch default", default_partition, 1.0)] + [
+            (f"torch {b}", min_cut_rematerialization_partition, b) for b in args.torch_budgets]:
         with fconfig.patch(activation_memory_budget=b):
-            compiled = aot_module(gm, fw_compiler=keep("fw"), bw_compiler=keep("bw"),
-                                  partition_fn=min_cut_rematerialization_partition)
-            out = compiled(*flat)
+            compiled = aot_module(gm, fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition)
+            out = compiled(*flat)           # partitions now, under this budget
             out[0].backward()
         clear()
-        extra = _graph_flops(graphs["fw"]) + _graph_flops(graphs["bw"]) - joint_flops
 
         def torch_step(compiled=compiled):
-            clear()
             loss = compiled(*flat)[0]
             loss.backward(torch.full_like(loss, scale))
             for p in live.values():
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=sp)
             return loss.detach()
-        methods[f"torch {b}"] = (torch_step, max(0, extra))
+        methods[name] = (torch_step, "none")
 
     # ---- hand-written Ulysses with per-layer checkpointing (torch.utils.checkpoint)
     if args.ds:
         try:
             import deepspeed  # noqa: F401 - the side needs it
-            methods.update(_ds_methods(args, seq, world, model, ids, labels, sp))
+            methods.update(_ds_methods(model, ids, labels, sp, owners))
         except ImportError:
             pass
 
-    # ---- measure: peaks one by one, then round-robin step times
+    # ---- measure: peaks and FLOPs one by one, then round-robin step times; grads freed before each window
     rows = {}
-    for name, (step, fl) in methods.items():
+    for name, (step, _) in methods.items():
+        clear()
         step()                                             # warm up (compiles)
         clear()
         peak, loss = peak_bytes(step)
-        rows[name] = {"peak": peak, "flops": fl, "loss": float(loss), "times": []}
+        clear()
+        rows[name] = {"peak": peak, "step_flops": _step_flops(step), "loss": float(loss), "times": []}
+    for name, (_, base) in methods.items():
+        rows[name]["flops"] = rows[name]["step_flops"] - rows[base]["step_flops"]
     for _ in range(args.steps):
         for name, (step, _) in methods.items():
+            clear()
             dist.barrier(sp)
             t0 = time.perf_counter()
             step()
@@ -198,27 +181,18 @@ def _job(rank, world, args, seq):
     return rows
 
 
-def _ds_methods(args, seq, world, model, ids, labels, sp):
-    from torch.utils.flop_counter import FlopCounterMode
-
+def _ds_methods(model, ids, labels, sp, owners):
     from bench.sp_vs_ulysses import register_ulysses_attention, ulysses_batch, ulysses_copy, ulysses_step
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     register_ulysses_attention(sp)
-    out = {}
     local_batch = ulysses_batch(ids, labels, sp)
-    for ckpt in (False, True):
+    out = {}
+    for name, ckpt in (("ulysses (DS)", False), ("ulysses (DS) + per-layer ckpt", True)):
         m = ulysses_copy(model, checkpointing=ckpt)
-
-        def step(m=m):
-            return ulysses_step(m, local_batch, sp)
-
-        with FlopCounterMode(display=False) as fc:
-            step()
-        out[("ckpt" if ckpt else "ulysses")] = (step, fc.get_total_flops())
-    plain = out["ulysses"][1]
-    return {"ulysses (DS)": (out["ulysses"][0], 0), "ckpt (DS + per-layer)": (out["ckpt"][0],
-                                                                             out["ckpt"][1] - plain)}
+        owners.append(list(m.parameters()))
+        out[name] = (lambda m=m: ulysses_step(m, local_batch, sp), "ulysses (DS)")
+    return out
 
 
 def frontier_check(rows, seq, hidden):
@@ -259,11 +233,14 @@ def main(argv=None):
         res = run_ranks(_job, args.sp, args, seq, timeout=7200)
         rows = res[0]
         print(f"\n## s = {seq} per rank ({seq * args.sp} global), {time.perf_counter() - t0:.0f} s\n")
-        print("| method | peak/rank (MiB) | max peak over ranks (MiB) | recompute FLOPs | median step (s) | loss |")
-        print("|---|---|---|---|---|---|")
+        print("| method | peak/rank (MiB) | max peak over ranks (MiB) | step FLOPs | recompute FLOPs | max over ranks | "
+              "median step (s) | loss |")
+        print("|---|---|---|---|---|---|---|---|")
         for name, r in rows.items():
             worst = max(rr[name]["peak"] for rr in res)
-            print(f"| {name} | {r['peak'] / 2**20:.2f} | {worst / 2**20:.2f} | {r['flops']:.3g} | "
+            most = max(rr[name]["flops"] for rr in res)
+            print(f"| {name} | {r['peak'] / 2**20:.2f} | {worst / 2**20:.2f} | {r['step_flops']:.4g} | "
+                  f"{r['flops']:.3g} | {most:.3g} | "
                   f"{statistics.median(r['times']):.3f} | {r['loss']:.6f} |")
         print("\n| torch point | its peak (MiB) | its recompute FLOPs | autosp's best peak at <= those FLOPs | ratio |")
         print("|---|---|---|---|---|")

@@ -8,7 +8,8 @@ Same HF Llama (sdpa), same global batch, SP = 2 processes (1 thread each), steps
       all-reduced over sp.
 First step: both losses (and grads) compared. Then median step time (fwd+bwd) per side and per-rank
 peak memory of one step: bytes allocated above what was live before it (autosp.memory.peak_bytes,
-the profiler's allocation events).
+the profiler's allocation events). Both sides free the previous step's grads before a timed or
+measured window opens, so neither window contains the other step's frees.
 
     .venv/bin/python bench/sp_vs_ulysses.py [--seq 4096 --steps 5 --layers 4 --hidden 256]
 """
@@ -99,11 +100,12 @@ def ulysses_batch(ids, labels, group):
 
 def ulysses_step(model, local_batch, group):
     """One fwd+bwd of the hand-written side: local summed loss / global token count, grads summed
-    over sp by hand. Returns the global loss."""
+    over sp by hand. Returns the global loss. The caller frees the previous step's grads first
+    (`model.zero_grad(set_to_none=True)`), outside any measured window: freed inside it, they
+    would lower this side's peak against a side that has nothing to free."""
     import torch.distributed as dist
     import torch.nn.functional as F
     ids_loc, pos_loc, lab_loc, n_tok = local_batch
-    model.zero_grad(set_to_none=True)
     logits = model(input_ids=ids_loc, position_ids=pos_loc).logits
     loss = F.cross_entropy(logits.float().flatten(0, 1), lab_loc.flatten(),
                            ignore_index=IGNORE, reduction="sum") / n_tok
@@ -137,8 +139,6 @@ def _job(rank, world, args):
     step_a_fn = autosp.shard(llama_loss(model_a), mesh, memory_budget=args.memory_budget)
 
     def step_a():
-        for p in params.values():
-            p.grad = None
         loss = step_a_fn(params, ids, labels)
         loss.backward()
         return loss.detach(), {k: p.grad for k, p in params.items()}
@@ -153,7 +153,13 @@ def _job(rank, world, args):
         total = ulysses_step(model_b, local_batch, sp)
         return total, {k: p.grad for k, p in model_b.named_parameters()}
 
+    def free_grads():
+        for p in params.values():
+            p.grad = None
+        model_b.zero_grad(set_to_none=True)
+
     # ---- first step: agreement (also warms up / compiles autosp)
+    free_grads()
     t0 = time.perf_counter()
     loss_a, grads_a = step_a()
     first_a = time.perf_counter() - t0
@@ -169,6 +175,7 @@ def _job(rank, world, args):
     fns = {"A": step_a, "B": step_b}
     for _ in range(args.steps):
         for side in ("A", "B"):
+            free_grads()
             dist.barrier(sp)
             t0 = time.perf_counter()
             out = fns[side]()
@@ -179,9 +186,7 @@ def _job(rank, world, args):
     # ---- peak memory of one step per side: bytes allocated on top of what was live before it
     # (activations, temporaries, collective buffers, grads), from the profiler's allocation events
     def peak(side):
-        model_b.zero_grad(set_to_none=True)
-        for p in params.values():
-            p.grad = None
+        free_grads()
         dist.barrier(sp)
         return peak_bytes(lambda: fns[side]() and None)[0]
 

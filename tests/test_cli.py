@@ -297,3 +297,18 @@ def test_the_launcher_names_the_rank_that_failed_first(tmp_path, monkeypatch):
     bad = _failure(tmp_path, monkeypatch, 0, 2, AutospError("memory_budget=1 is too small. Fix: 2GiB."))
     msg, code = told({0: bad})
     assert msg == "autosp train: error (rank 0): memory_budget=1 is too small. Fix: 2GiB." and code == 2
+
+
+# ---------------------------------------------------------------- packaging
+
+@pytest.mark.parametrize("argv", [["train", "--model", "tiny"],
+                                  ["plan", "--model", "tiny", "--sp", "2", "--memory", "1GiB"],
+                                  ["explain", "--model", "tiny", "--seq-len", "64", "--sp", "2"]])
+def test_without_the_train_extra_each_verb_names_it(argv, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "transformers", None)        # what `pip install autosp` alone leaves
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"autosp {argv[0]}: error: " in err and "needs transformers" in err, err
+    assert "Fix: pip install 'autosp[train]'" in err, err
+    assert os.listdir(tmp_path) == []

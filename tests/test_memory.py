@@ -1,4 +1,4 @@
-"""Memory really shards: per-rank peak of a training step at s=2048 (MemTracker), vs one device."""
+"""Memory really shards: per-rank peak of a training step at s=2048 (profiler allocation events), vs one device."""
 import pytest
 
 from bench.memory import measure

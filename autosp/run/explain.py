@@ -121,7 +121,7 @@ def explain_model(model: str, *, seq_len: int, sp: int, budget, dtype: str = "fl
         got = plot_timelines(png, curves, budget_bytes, f"autosp explain --model {model} --seq-len {seq_len} "
                                                         f"--sp {sp}: per-rank memory over one step")
         lines.append(f"memory timeline: {got}" if got else
-                     "memory timeline skipped: matplotlib is not installed (pip install matplotlib)")
+                     "memory timeline skipped: matplotlib is not installed (pip install 'autosp[train]')")
     if full:
         return text + "\n\n" + "\n".join(lines[-2:])
     return "\n".join(lines)

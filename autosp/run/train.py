@@ -169,7 +169,8 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
                                 "tokens per step")
         k = min(10, len(run_losses))
         mean = f" (mean of the last {k} steps {sum(run_losses[-k:]) / k:.4f})" if k > 1 else ""
-        plot = f"loss curve {png}" if png else "loss curve skipped: matplotlib is not installed (pip install matplotlib)"
+        plot = (f"loss curve {png}" if png else
+                "loss curve skipped: matplotlib is not installed (pip install 'autosp[train]')")
         print(f"trained steps {start + 1}-{a.steps} in {wall:.0f} s: loss {first_loss:.4f} -> {last_loss:.4f}{mean}; "
               f"a uniform guess over the {spec.vocab} tokens scores ln {spec.vocab} = {math.log(spec.vocab):.3f}\n"
               f"  checkpoint {os.path.join(a.out, f'step-{a.steps}')}\n"
