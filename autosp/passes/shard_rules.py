@@ -605,6 +605,9 @@ RULES.update({
     "topk": seq_dim_arg("dim", -1), "sort": seq_dim_arg("dim", -1), "argsort": seq_dim_arg("dim", -1),
     "kthvalue": seq_dim_arg("dim", -1), "slice_scatter": scatter_rule, "select_scatter": scatter_rule,
     "scatter": seq_dim_arg("dim"), "scatter_add": seq_dim_arg("dim"), "index_add": seq_dim_arg("dim"),
+    # grouped_mm's offsets count the whole sequence's rows; inside a dispatch region (dispatch.py) they
+    # are the rank's own, elsewhere the rows are gathered
+    "grouped_mm": gather_fallback,
     "histc": histc_rule, "new_empty": creation_rule, "new_zeros": creation_rule, "new_ones": creation_rule, "new_full": creation_rule,
 })
 
