@@ -161,12 +161,11 @@ def dispatch_rule(ctx, e: Eqn, region: DispatchRegion) -> None:
     """One equation of a region, run on this rank's rows: sorts, gathers and scatters by the region's
     permutation stay local, counts are this rank's (no all-reduce), aranges span this rank's rows."""
     from autosp.passes.shard_rules import creation_rule, positionwise
-    rows = ctx.as_sharded(region.rows)
     if e.op.name == "arange":
-        out = e.outputs[0]
+        rows = ctx.layout_for(region.rows)
         args, kwargs = e.bind([ctx.env[x.name] for x in e.inputs])
-        ctx.env[out.name] = ctx.emit(e.op.target, (rows.layout.local_size(),) + tuple(args[1:]), kwargs,
-                                     source=e.source, layouts=[rows.layout])
+        ctx.env[e.outputs[0].name] = ctx.emit(e.op.target, (rows.local_size(),) + tuple(args[1:]), kwargs,
+                                              source=e.source, layouts=[rows])
     elif e.op.name == "histc":
         args, kwargs = e.bind([ctx.env[x.name] for x in e.inputs])
         ctx.env[e.outputs[0].name] = ctx.emit(e.op.target, args, kwargs, source=e.source)
