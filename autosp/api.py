@@ -280,8 +280,9 @@ def explain(fn, mesh, *args, in_specs=None, memory_budget=None, host_bandwidth=N
 
 
 def attention_summary(local: Graph, device: str) -> str:
-    """One line per attention of the per-rank program: what its mask is and what runs it."""
-    from autosp.passes.shard_rules import bind_schema
+    """One line per attention of the per-rank program: what its mask is and what runs it (the kernel
+    lowering picks, autosp/kernels/dispatch.py)."""
+    from autosp.kernels.dispatch import attention_kernel, sdpa_arguments
     lines = ["# attention"]
     for e in local.eqns:
         where = f" at {e.source}" if e.source else ""
@@ -294,15 +295,19 @@ def attention_summary(local: Graph, device: str) -> str:
                          f"no s x s tensor, memory O(block * s); {kernel}")
         elif e.op.name == "flash_attention":
             lines.append(f"  flash_attention{where}: {'causal' if e.var_args()[0][3] else 'no mask'}, autosp's Triton "
-                         "kernel (the GPU check measured it faster than SDPA at this shape)")
+                         "kernel (called directly)")
         elif e.op.name == "attention" and e.op.target is torch.ops.aten.scaled_dot_product_attention.default:
-            b = bind_schema(e)
+            b = sdpa_arguments(e)
             mask = b.get("attn_mask")
+            causal = "causal" if b.get("is_causal") else "no mask"
             if mask is not None:
                 lines.append(f"  sdpa{where}: mask materialised as a tensor {mask.type_str()}: O(s^2) memory per rank "
                              "(not a function of per-query and per-key vectors)")
+            elif attention_kernel(e) == "flash":
+                lines.append(f"  flash_attention{where}: {causal}, autosp's Triton kernel (the GPU check measured it "
+                             "faster than SDPA at this shape)")
             else:
                 why = (" (no GPU check measured autosp's Triton kernel faster at this shape)"
                        if device == "cuda" else "")
-                lines.append(f"  sdpa{where}: {'causal' if b.get('is_causal') else 'no mask'}, SDPA's fused kernel{why}")
+                lines.append(f"  sdpa{where}: {causal}, SDPA's fused kernel{why}")
     return "\n".join(lines) if len(lines) > 1 else "# attention: none"

@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
+from autosp.decompositions import trace_decompositions
 from autosp.errors import TraceError
 from autosp.ir.core import Eqn, Graph, Role, Var
 from autosp.ir.ops import op_for
@@ -84,8 +85,8 @@ def _anchor_user_frames(fn) -> None:
 def _make_fx(fn, flat_fn, real, *, pre_dispatch: bool) -> torch.fx.GraphModule:
     _anchor_user_frames(fn)
     try:
-        return make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True,
-                       pre_dispatch=pre_dispatch, **_STACK_TRACES)(*real)
+        return make_fx(flat_fn, decomposition_table=trace_decompositions(), tracing_mode="fake",
+                       _allow_non_fake_inputs=True, pre_dispatch=pre_dispatch, **_STACK_TRACES)(*real)
     except TraceError:
         raise
     except Exception as exc:  # noqa: BLE001 - any tracing failure becomes one clear error
@@ -178,9 +179,10 @@ def _trace_failure(fn, exc: Exception) -> TraceError:
                "`bool(t)`, nonzero/masked_select). Fix: compute with torch.where / masks instead of "
                "branching, or pass the value as a Python int argument")
     elif "grouped_mm" in where or any("grouped_mm" in (f.line or "") for f in frames):
-        fix = ("torch's grouped_mm (transformers' default MoE experts kernel) has no fake kernel for these "
-               "dtypes, so it cannot be traced. Fix: build the model with experts_implementation=\"batched_mm\" "
-               "in its config (exact, traceable), or run the experts in bf16")
+        fix = ("torch's grouped_mm has no fake kernel for these dtypes in this form. autosp rewrites the "
+               "(M, K) x (G, K, N) form with offsets (transformers' MoE experts) and (G, M, K) x (G, K, N) "
+               "while tracing; the others trace in bf16 only. Fix: call grouped_mm in one of those forms, "
+               "or build the model with experts_implementation=\"batched_mm\"")
     else:
         fix = ("Fix: the function raised this on arguments of these shapes and dtypes; check them against "
                "what it expects (it must run on one device as written)")

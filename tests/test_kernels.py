@@ -455,3 +455,28 @@ def test_config_cache_lookup(tmp_path, monkeypatch):
     with pytest.raises(autosp.AutospError, match="invalid tiling"):
         with config.override("flash_bwd", BLOCK_N1=16, BLOCK_M1=32):
             pass
+
+
+def test_lowering_dispatches_attention_to_the_measured_kernel(monkeypatch):
+    """The traced (and sharded) program names one attention op, SDPA; lowering calls the kernel that
+    autosp.kernels.dispatch picks (flash only where measured faster: never on CPU), the lowered
+    program equals SDPA either way, and explain's attention summary names the kernel that runs."""
+    from autosp.api import attention_summary
+    from autosp.ir import lower
+    from autosp.kernels import dispatch
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 16, 8, generator=g) for _ in range(3))
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    graph = autosp.trace(f, q, k, v)
+    assert [e.op.name for e in graph.eqns] == ["attention"]
+    assert dispatch.attention_kernel(graph.eqns[0]) == "sdpa"
+    assert "flash_attention" not in lower(graph).code and "sdpa" in attention_summary(graph, "cpu")
+    monkeypatch.setattr(dispatch, "flash_is_faster", lambda q, causal: True)
+    gm = lower(graph)
+    assert "autosp.flash_attention" in gm.code
+    assert rel(gm(q, k, v)[0], f(q, k, v)) < TOL[torch.float32]
+    assert "flash_attention" in attention_summary(graph, "cuda")

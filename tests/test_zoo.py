@@ -46,15 +46,3 @@ def test_zoo_shards_exactly_and_head_parallel(world, s, names):
     bad = {(f"rank {rank}", n): r[1:] for rank, report in enumerate(reports) for n, r in report.items()
            if not (r[1] == r[3] and r[2] == 0)}
     assert not bad, f"(all-to-alls, sequence gathers, expected all-to-alls): {bad}"
-
-
-def test_moe_default_experts_kernel_error_says_what_to_set():
-    """transformers' default experts kernel (grouped_mm) cannot be traced in fp32: the error says what to set."""
-    import autosp
-    from tests.models import batch, rank_errors
-    from tests.zoo import hf_loss, hf_model
-    model = hf_model("mixtral", experts_implementation=None)
-    params = {k: v.detach() for k, v in model.named_parameters()}
-    ids, labels = batch(2, 16, 64)
-    with pytest.raises(autosp.AutospError, match='experts_implementation="batched_mm"'):
-        autosp.trace(hf_loss(model), params, ids, labels)

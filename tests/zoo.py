@@ -50,18 +50,16 @@ HF = {
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", _base(sliding_window=8)),
     "cohere": ("CohereConfig", "CohereForCausalLM", _base()),
     "granite": ("GraniteConfig", "GraniteForCausalLM", _base()),
-    # MoE: transformers' default experts kernel (grouped_mm) has no fp32 fake kernel; batched_mm traces
+    # MoE as a user builds it: transformers' default experts kernel (grouped_mm)
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", _base(num_local_experts=4, num_experts_per_tok=2,
-                                                             experts_implementation="batched_mm",
                                                              output_router_logits=True)),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", _base(num_experts=4, num_experts_per_tok=2,
                                                                   moe_intermediate_size=32,
-                                                                  shared_expert_intermediate_size=32,
-                                                                  experts_implementation="batched_mm")),
+                                                                  shared_expert_intermediate_size=32)),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _base(
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
         first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
-        v_head_dim=8, n_group=1, topk_group=1, num_key_value_heads=4, experts_implementation="batched_mm")),
+        v_head_dim=8, n_group=1, topk_group=1, num_key_value_heads=4)),
 }
 
 

@@ -1,4 +1,8 @@
-"""Lower a Graph to a torch.fx.GraphModule that computes the same flat outputs."""
+"""Lower a Graph to a torch.fx.GraphModule that computes the same flat outputs.
+
+Lowering is where kernels are chosen: an attention equation runs autosp's flash kernel or SDPA as
+autosp.kernels.dispatch decides for its shapes and device; every other equation calls its op.
+"""
 from __future__ import annotations
 
 import operator
@@ -22,7 +26,7 @@ def lower(graph: Graph) -> fx.GraphModule:
         env[v.name] = g.get_attr(attr)
     for eqn in graph.eqns:
         args, kwargs = eqn.bind([env[v.name] for v in eqn.inputs])
-        node = g.call_function(eqn.op.target, args, kwargs)
+        node = _call(g, eqn, [env[v.name] for v in eqn.inputs], args, kwargs)
         if eqn.source:
             node.meta["stack_trace"] = eqn.source
         if eqn.multi:
@@ -33,6 +37,15 @@ def lower(graph: Graph) -> fx.GraphModule:
     g.output(tuple(env[o.name] if isinstance(o, Var) else o for o in graph.outputs))
     gm = fx.GraphModule(root, g, class_name=f"autosp_{_py_name(graph.name)}")
     return gm
+
+
+def _call(g: fx.Graph, eqn, values, args, kwargs) -> fx.Node:
+    if eqn.op.name == "attention":
+        from autosp.kernels.dispatch import attention_kernel, flash_call
+        if attention_kernel(eqn) == "flash":
+            target, flash_args = flash_call(eqn, values)
+            return g.call_function(operator.getitem, (g.call_function(target, flash_args), 0))
+    return g.call_function(eqn.op.target, args, kwargs)
 
 
 def _py_name(name: str) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from autosp.errors import AutospError
+from autosp.ir.aliases import aliases
 from autosp.ir.core import Eqn, Graph, Var
 from autosp.ir.ops import Tag, op_for
 
@@ -55,7 +56,6 @@ def _twin(target):
 
 
 def _is_view(e: Eqn) -> bool:
-    from autosp.remat.liveness import aliases
     return bool(e.outputs) and not e.op.has(Tag.INPLACE) and all(a is not None for a in aliases(e))
 
 
@@ -178,7 +178,6 @@ def _permutation(name: str, args, ndim: int) -> list[int]:
 def functionalize(graph: Graph) -> Graph:
     if not any(e.op.has(Tag.INPLACE) for e in graph.eqns):
         return graph
-    from autosp.remat.liveness import aliases
     rw = _Rewriter()
     rw.original = {v.name: v for v in graph.inputs}
     rw.original.update({v.name: v for v, _ in graph.consts})

@@ -315,6 +315,11 @@ def links_index_tensor(e: Eqn) -> list[Link]:
     return res
 
 
+def links_grouped_rows(e: Eqn) -> list[Link]:
+    """grouped_mm(mat_a, mat_b, offs): mat_a's rows are the output's rows."""
+    return [dim_link(e.inputs[0], e.outputs[0], {0: 0})]
+
+
 def links_scatter_dim(e: Eqn) -> list[Link]:
     """scatter / scatter_add / index_add (self, dim, index, src): every dim but `dim` indexes the same
     positions in self, index, src and the output."""
@@ -348,7 +353,7 @@ LINK_RULES: dict[str, Callable[[Eqn], list[Link]]] = {
     "topk": links_keep_dims, "sort": links_keep_dims, "argsort": links_keep_dims, "kthvalue": links_keep_dims,
     "addmm": links_addmm, "einsum": links_einsum, "slice_scatter": links_scatter, "select_scatter": links_scatter,
     "scatter": links_scatter_dim, "scatter_add": links_scatter_dim, "index_add": links_scatter_dim,
-    "index": links_index_tensor, "gather": links_scatter_dim,
+    "index": links_index_tensor, "gather": links_scatter_dim, "grouped_mm": links_grouped_rows,
 }
 for _n in _SAME_NAMES:
     LINK_RULES[_n] = links_index if _n in {"slice", "narrow", "pad", "cumsum", "roll", "flip"} else links_same

@@ -18,6 +18,7 @@ from autosp.ir.core import Graph, Role, Var
 from autosp.layout import seq_dim_of_spec
 from autosp.ir.ops import Tag
 from autosp.passes.dce import dce
+from autosp.passes.dispatch import dispatch_rule, find_dispatch_regions
 from autosp.passes.seqdims import SeqPos, attention_length, infer_seq_positions
 from autosp.passes.shard_ctx import MeshInfo, ShardCtx
 from autosp.passes.regions import find_regions
@@ -102,8 +103,10 @@ def shard_graph(graph: Graph, mesh: MeshInfo, *, in_specs=None, keep_sharded=())
     for n in blocked:
         pos.pop(n, None)
     chunk = -(-length // mesh.sp_size)
+    free = input_free(graph)
+    dispatch = {k: r for r in find_dispatch_regions(graph, pos, free) for k in r.eqns}
     ctx = ShardCtx(mesh=mesh, chunk=chunk, pos=pos, heavy=activations(graph), graph=graph,
-                   input_free=input_free(graph),
+                   input_free=free,
                    producer={o.name: e for e in graph.eqns for o in e.outputs})
 
     new_inputs = []
@@ -131,6 +134,9 @@ def shard_graph(graph: Graph, mesh: MeshInfo, *, in_specs=None, keep_sharded=())
             if k in in_region:
                 if k == in_region[k].last:           # emitted whole, where all its inputs exist
                     region_rule(ctx, graph, in_region[k])
+                continue
+            if k in dispatch:                        # MoE experts on rows sorted by expert: this rank's rows
+                dispatch_rule(ctx, e, dispatch[k])
                 continue
             if _replicated_is_at_hand(ctx, e):
                 # index work on small replicated values (positions, masks) stays replicated and exact,

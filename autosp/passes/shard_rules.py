@@ -319,14 +319,7 @@ def attention_rule(ctx: ShardCtx, e: Eqn) -> None:
             mask = ctx.emit(autosp_ops.pad_attn_mask, (mask, padded), source=e.source)
     elif padded > length and not is_causal:
         mask = ctx.emit(autosp_ops.key_padding_mask, (length, padded, torch.device(q.device)), source=e.source)
-    if mask is None and not b["dropout_p"] and (is_causal or padded == length) and _flash_is_faster(q2, is_causal):
-        # autosp's Triton kernel, where the GPU check measured it faster than SDPA at this shape
-        o2, _ = ctx.emit(torch.ops.autosp.flash_attention.default, (q2, k2, v2, is_causal, b["scale"], "auto"),
-                         source=e.source)
-        (o,) = ctx.emit(C.all_to_all, ([o2], hdim + 1, hdim, ctx.mesh.sp_group), source=e.source,
-                        layouts=[Layout(q.ndim - 2, length, q.layout.chunk)])
-        ctx.env[e.outputs[0].name] = o
-        return
+    # one attention op; which kernel runs it is lowering's choice (autosp/kernels/dispatch.py)
     kw = {"attn_mask": mask, "dropout_p": b["dropout_p"], "is_causal": is_causal, "scale": b["scale"]}
     if gqa:
         kw["enable_gqa"] = True
@@ -334,18 +327,6 @@ def attention_rule(ctx: ShardCtx, e: Eqn) -> None:
     (o,) = ctx.emit(C.all_to_all, ([o2], hdim + 1, hdim, ctx.mesh.sp_group), source=e.source,
                     layouts=[Layout(q.ndim - 2, length, q.layout.chunk)])
     ctx.env[e.outputs[0].name] = o
-
-
-def _flash_is_faster(q: Var, causal: bool) -> bool:
-    """Whether autosp::flash_attention beats SDPA for these head-sharded inputs, by the GPU check's
-    measurement in the kernel config cache (kernels.config.measured_speedup); SDPA when unmeasured."""
-    device = torch.device(q.device)
-    if device.type != "cuda" or q.ndim != 4 or not torch.cuda.is_available():
-        return False
-    from autosp.kernels import config
-    from autosp.kernels._triton import device_name
-    speedup = config.measured_speedup(device_name(device), q.dtype, q.shape[-1], causal, q.shape[-2])
-    return speedup is not None and speedup > 1.0
 
 
 def _masked_attention(ctx: ShardCtx, e: Eqn, fn, qkv, length: int, padded: int, scale) -> Var:
@@ -605,6 +586,9 @@ RULES.update({
     "topk": seq_dim_arg("dim", -1), "sort": seq_dim_arg("dim", -1), "argsort": seq_dim_arg("dim", -1),
     "kthvalue": seq_dim_arg("dim", -1), "slice_scatter": scatter_rule, "select_scatter": scatter_rule,
     "scatter": seq_dim_arg("dim"), "scatter_add": seq_dim_arg("dim"), "index_add": seq_dim_arg("dim"),
+    # grouped_mm's offsets count the whole sequence's rows; inside a dispatch region (dispatch.py) they
+    # are the rank's own, elsewhere the rows are gathered
+    "grouped_mm": gather_fallback,
     "histc": histc_rule, "new_empty": creation_rule, "new_zeros": creation_rule, "new_ones": creation_rule, "new_full": creation_rule,
 })
 

@@ -80,7 +80,7 @@ def apply_plan(joint: Joint, saved, recomputed, offloaded=(), prefetch_lead: int
 
     # ---- backward: autograd's order, recomputations just in time, prefetches ahead
     # views are always redone (they cost nothing and own no memory: their base is what is kept)
-    from autosp.remat.liveness import aliases
+    from autosp.ir.aliases import aliases
     free = {k for k, e in enumerate(fwd_eqns) if e.outputs and all(a is not None for a in aliases(e))}
     available = {v.name for v in primals} | set(saved) | {v.name for v, _ in g.consts}
     first_need: dict[str, int] = {}

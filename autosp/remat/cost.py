@@ -88,7 +88,7 @@ def eqn_cost(e: Eqn, device: Device) -> Cost:
         return Cost(0, device.latency + moved / device.link_bw)
     f = flops(e)
     moved = _bytes(e.inputs) + _bytes(e.outputs)
-    from autosp.remat.liveness import aliases
+    from autosp.ir.aliases import aliases
     if all(a is not None for a in aliases(e)) and e.outputs:
         return Cost(0, 0.0)                   # a view: free
     return Cost(f, device.launch + max(f / device.flops, moved / device.mem_bw))

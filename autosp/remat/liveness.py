@@ -16,72 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
-from autosp.ir.core import Eqn, Graph, In, Var
+from autosp.ir.aliases import aliases, roots
+from autosp.ir.core import Eqn, Graph, Var
 
 aten = torch.ops.aten
-_VIEW_LIKE = {"_unsafe_view"}                   # no alias annotation, but a view of its input
 
 
 def nbytes(v: Var) -> int:
     if v.dtype is None:
         return 0
     return v.numel() * v.dtype.itemsize
-
-
-def aliases(e: Eqn) -> list[int | None]:
-    """For each output of `e`, the index of the input whose storage it shares (None: a new one)."""
-    hit = _ALIASES.get(id(e))
-    if hit is not None and hit[0] is e:
-        return hit[1]
-    out = _aliases(e)
-    if len(_ALIASES) > 200_000:
-        _ALIASES.clear()
-    _ALIASES[id(e)] = (e, out)
-    return out
-
-
-_ALIASES: dict[int, tuple[Eqn, list]] = {}     # id(eqn) -> (eqn, aliases): simulations ask again and again
-
-
-def _aliases(e: Eqn) -> list[int | None]:
-    target = e.op.target
-    n = len(e.outputs)
-    if e.op.name in _VIEW_LIKE or e.op.name.split(".")[0] in _VIEW_LIKE:
-        return [0] * n
-    schema = getattr(target, "_schema", None)
-    if schema is None or getattr(target, "namespace", None) == "autosp":
-        return [None] * n
-    # positions of tensor arguments among the equation's inputs, by schema argument: read off the
-    # argument template (In(k) holes), not by binding it (this runs for every equation of every
-    # program the planner simulates)
-    arg_sets = {}
-    args, kwargs = e.args, dict(e.kwargs)
-    for i, a in enumerate(schema.arguments):
-        val = args[i] if i < len(args) else kwargs.get(a.name)
-        if a.alias_info is not None and isinstance(val, In):
-            for s in a.alias_info.before_set:
-                arg_sets.setdefault(s, e.inputs.index(e.inputs[val.k]))
-    out: list[int | None] = []
-    rets = schema.returns
-    for k in range(n):
-        r = rets[min(k, len(rets) - 1)] if rets else None
-        hit = None
-        if r is not None and r.alias_info is not None:
-            for s in r.alias_info.before_set:
-                if s in arg_sets:
-                    hit = arg_sets[s]
-        out.append(hit)
-    return out
-
-
-def roots(graph: Graph) -> dict[str, str]:
-    """Var name -> the name of the var that owns its storage (itself unless it is a view)."""
-    root = {v.name: v.name for v in graph.inputs}
-    root.update({v.name: v.name for v, _ in graph.consts})
-    for e in graph.eqns:
-        for v, a in zip(e.outputs, aliases(e)):
-            root[v.name] = root[e.inputs[a].name] if a is not None else v.name
-    return root
 
 
 # ---------------------------------------------------------------- workspaces (calibrated)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autosp.ir.aliases import aliases, roots
 from autosp.ir.ops import Tag
 from autosp.passes.autodiff import Joint
 from autosp.remat import liveness as L
@@ -207,8 +208,8 @@ def build(joint: Joint, device: Device, offload: bool = False, lead: int = 8) ->
     fwd = joint.forward_eqns
     bwd = joint.backward_eqns
     producer = {o.name: k for k, e in enumerate(fwd) for o in e.outputs}
-    root = L.roots(g)
-    is_view = {o.name: a is not None for e in fwd for o, a in zip(e.outputs, L.aliases(e))}
+    root = roots(g)
+    is_view = {o.name: a is not None for e in fwd for o, a in zip(e.outputs, aliases(e))}
     var = {o.name: o for e in fwd for o in e.outputs}
 
     # Views own no memory and cost nothing to redo (apply.py recomputes them freely): every var
@@ -284,7 +285,7 @@ def build(joint: Joint, device: Device, offload: bool = False, lead: int = 8) ->
                            np.array(tb.during, dtype=np.float64) + tf.end])
     fidx = {o.name: i for i, e in enumerate(alone.forward.eqns) for o in e.outputs}
     flast = dict(L.last_uses(alone.forward))
-    aroot = L.roots(alone.forward)
+    aroot = roots(alone.forward)
     for n, i in list(flast.items()):                 # a storage lives while any of its views does
         r = aroot.get(n)
         if r is not None and r != n:

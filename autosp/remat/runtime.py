@@ -106,7 +106,7 @@ class _RematStep(torch.autograd.Function):
 def _shared_outputs(graph) -> list[bool]:
     """Per output: True if its storage is not the program's own (an input, a view, or shared with
     another output), so an in-place all-reduce on it would change something else."""
-    from autosp.remat.liveness import roots
+    from autosp.ir.aliases import roots
     root = roots(graph)
     inputs = {v.name for v in graph.inputs}
     seen: dict[str, int] = {}
