@@ -229,7 +229,9 @@ def test_plan_says_when_the_model_state_alone_does_not_fit(capsys):
 
 def test_explain_prints_the_plan_and_writes_the_timeline(model, tmp_path, capsys):
     png = tmp_path / "timeline.png"
-    assert main(["explain", "--model", model, "--seq-len", "256", "--sp", "2", "--memory-budget", "0.6",
+    # 0.7: with attention's CPU workspace counted, the least this step reaches is 0.642 of its no-remat
+    # peak (the bisection it replaced finds the same), so 0.6 is refused
+    assert main(["explain", "--model", model, "--seq-len", "256", "--sp", "2", "--memory-budget", "0.7",
                  "--png", str(png)]) == 0
     out = capsys.readouterr().out
     assert "all_to_all x1: f32[1 4 (sp s) 16]" in out and "# remat plan (cpu)" in out and "with the plan" in out
