@@ -282,7 +282,7 @@ def explain(fn, mesh, *args, in_specs=None, memory_budget=None, host_bandwidth=N
 def attention_summary(local: Graph, device: str) -> str:
     """One line per attention of the per-rank program: what its mask is and what runs it (the kernel
     lowering picks, autosp/kernels/dispatch.py)."""
-    from autosp.kernels.dispatch import attention_kernel, sdpa_arguments
+    from autosp.kernels.dispatch import attention_kernel
     lines = ["# attention"]
     for e in local.eqns:
         where = f" at {e.source}" if e.source else ""
@@ -297,7 +297,7 @@ def attention_summary(local: Graph, device: str) -> str:
             lines.append(f"  flash_attention{where}: {'causal' if e.var_args()[0][3] else 'no mask'}, autosp's Triton "
                          "kernel (called directly)")
         elif e.op.name == "attention" and e.op.target is torch.ops.aten.scaled_dot_product_attention.default:
-            b = sdpa_arguments(e)
+            b = e.bind_schema()
             mask = b.get("attn_mask")
             causal = "causal" if b.get("is_causal") else "no mask"
             if mask is not None:

@@ -152,14 +152,13 @@ def _global_masks(fn, *args):
     from autosp.passes.masks import mask_function
     from autosp.passes.shard import input_free
     from autosp.passes.shard_ctx import MeshInfo, ShardCtx
-    from autosp.passes.shard_rules import bind_schema
     from autosp.trace import trace
     g = trace(fn, *args)
     ctx = ShardCtx(mesh=MeshInfo(2, "sp"), chunk=1, pos={}, heavy=set(), graph=g, input_free=input_free(g))
     out = []
     for e in g.eqns:
         if e.op.name == "attention":
-            mask = bind_schema(e)["attn_mask"]
+            mask = e.bind_schema()["attn_mask"]
             q = e.inputs[0]
             fn_ = mask_function(g, mask, q.shape[-2], math.prod(q.shape[:-3]), ctx.constant_value)
             out.append(None if fn_ is None else fn_.expr)

@@ -101,6 +101,20 @@ class Eqn:
         """(args, kwargs) with the input Vars in place: what rules and the printer read."""
         return self.bind(self.inputs)
 
+    def bind_schema(self, values=None) -> dict:
+        """Argument name -> value (Vars where tensors go, or `values`), defaults filled in, from the
+        op's schema."""
+        args, kwargs = self.bind(values if values is not None else self.inputs)
+        out = {}
+        for i, a in enumerate(self.op.target._schema.arguments):
+            if i < len(args):
+                out[a.name] = args[i]
+            elif a.name in kwargs:
+                out[a.name] = kwargs[a.name]
+            else:
+                out[a.name] = a.default_value if a.has_default_value() else None
+        return out
+
     def replace(self, **changes) -> "Eqn":
         return dataclasses.replace(self, **changes)
 
@@ -139,6 +153,16 @@ class Graph:
     def __call__(self, *args):
         from autosp.ir.interpret import call_graph
         return call_graph(self, *args)
+
+    def index(self) -> tuple[dict[str, int], dict[str, list[int]], set[str]]:
+        """(var -> index of the equation producing it, var -> indices of the equations reading it,
+        names of the graph's outputs): what pattern finders walk."""
+        producer = {o.name: k for k, e in enumerate(self.eqns) for o in e.outputs}
+        readers: dict[str, list[int]] = {}
+        for k, e in enumerate(self.eqns):
+            for x in e.inputs:
+                readers.setdefault(x.name, []).append(k)
+        return producer, readers, {o.name for o in self.outputs if hasattr(o, "name")}
 
 
 _DTYPE_SHORT = {

@@ -14,24 +14,12 @@ from autosp.ir.core import Eqn, Var
 aten = torch.ops.aten
 
 
-def sdpa_arguments(e: Eqn, values=None) -> dict:
-    """SDPA's arguments by schema name (query, key, value, attn_mask, dropout_p, is_causal, scale, ...)."""
-    args, kwargs = e.bind(values if values is not None else e.inputs)
-    out = {}
-    for i, a in enumerate(e.op.target._schema.arguments):
-        if i < len(args):
-            out[a.name] = args[i]
-        else:
-            out[a.name] = kwargs.get(a.name, a.default_value if a.has_default_value() else None)
-    return out
-
-
 def attention_kernel(e: Eqn) -> str:
     """"flash" (autosp::flash_attention) or "sdpa" for an attention equation. Flash takes no mask
     tensor and no dropout, and runs only where it was measured faster."""
     if e.op.target is not aten.scaled_dot_product_attention.default:
         return "sdpa"
-    b = sdpa_arguments(e)
+    b = e.bind_schema()
     if b["attn_mask"] is not None or b["dropout_p"]:
         return "sdpa"
     return "flash" if flash_is_faster(e.inputs[0], bool(b["is_causal"])) else "sdpa"
@@ -52,6 +40,6 @@ def flash_is_faster(q: Var, causal: bool) -> bool:
 def flash_call(e: Eqn, values) -> tuple:
     """(target, args) of the autosp::flash_attention call that computes SDPA equation `e` on `values`
     (its output 0 is SDPA's output; GQA needs no flag: fewer K/V heads are read as groups)."""
-    b = sdpa_arguments(e, values)
+    b = e.bind_schema(values)
     return (torch.ops.autosp.flash_attention.default,
             (b["query"], b["key"], b["value"], bool(b["is_causal"]), b["scale"], "auto"))

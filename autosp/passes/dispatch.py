@@ -47,12 +47,7 @@ class DispatchRegion:
 def find_dispatch_regions(graph: Graph, pos: dict, free: set[str]) -> list[DispatchRegion]:
     """Regions that start at a sort of a 1-D value whose dim carries the sequence (`pos`) and end
     where its permutation is undone; `free` names the input-free values (arange, ...)."""
-    producer = {o.name: k for k, e in enumerate(graph.eqns) for o in e.outputs}
-    readers: dict[str, list[int]] = {}
-    for k, e in enumerate(graph.eqns):
-        for x in e.inputs:
-            readers.setdefault(x.name, []).append(k)
-    outputs = {o.name for o in graph.outputs if hasattr(o, "name")}
+    producer, readers, outputs = graph.index()
     regions = []
     for s_idx, s in enumerate(graph.eqns):
         if s.op.name not in ("sort", "argsort") or s.inputs[0].ndim != 1 or s.inputs[0].name not in pos:

@@ -51,12 +51,7 @@ def _swaps_last_two(e: Eqn) -> bool:
 
 
 def find_regions(graph: Graph) -> list[AttentionRegion]:
-    producer = {o.name: k for k, e in enumerate(graph.eqns) for o in e.outputs}
-    readers: dict[str, list[int]] = {}
-    for k, e in enumerate(graph.eqns):
-        for x in e.inputs:
-            readers.setdefault(x.name, []).append(k)
-    outputs = {o.name for o in graph.outputs if hasattr(o, "name")}
+    producer, readers, outputs = graph.index()
     regions = []
     for a_idx, a in enumerate(graph.eqns):
         if a.op.name != "matmul" or len(a.inputs) != 2 or a.inputs[0].ndim < 4:

@@ -27,20 +27,6 @@ INT64_MAX = 9223372036854775807
 Rule = Callable[[ShardCtx, Eqn], None]
 
 
-def bind_schema(e: Eqn, values=None) -> dict:
-    """Argument name -> value (Vars where tensors go), defaults filled in, from the op's schema."""
-    args, kwargs = e.bind(values if values is not None else e.inputs)
-    out = {}
-    for i, a in enumerate(e.op.target._schema.arguments):
-        if i < len(args):
-            out[a.name] = args[i]
-        elif a.name in kwargs:
-            out[a.name] = kwargs[a.name]
-        else:
-            out[a.name] = a.default_value if a.has_default_value() else None
-    return out
-
-
 def _sharded_inputs(ctx: ShardCtx, e: Eqn) -> list[Var]:
     return [ctx.env[x.name] for x in e.inputs if ctx.env[x.name].layout is not None]
 
@@ -117,7 +103,7 @@ def seq_dim_arg(arg_name: str, default=None, many: bool = False) -> Rule:
         x = ctx.env[e.inputs[0].name]
         if x.layout is None:
             return positionwise(ctx, e)
-        d = bind_schema(e).get(arg_name, default)
+        d = e.bind_schema().get(arg_name, default)
         dims = d if isinstance(d, (list, tuple)) else [d]
         if d is None or d == [] or d == () or x.layout.dim in {_norm(v, x.ndim) for v in dims}:
             return gather_fallback(ctx, e)
@@ -127,7 +113,7 @@ def seq_dim_arg(arg_name: str, default=None, many: bool = False) -> Rule:
 
 def layer_norm_rule(ctx: ShardCtx, e: Eqn) -> None:
     x = ctx.env[e.inputs[0].name]
-    n = len(bind_schema(e)["normalized_shape"])
+    n = len(e.bind_schema()["normalized_shape"])
     if x.layout is not None and x.layout.dim >= x.ndim - n:
         return gather_fallback(ctx, e)
     positionwise(ctx, e)
@@ -137,7 +123,7 @@ def slice_rule(ctx: ShardCtx, e: Eqn) -> None:
     """x[:, :n] keeps the chunks (fewer valid positions); an offset needs the neighbours' data."""
     x_old = e.inputs[0]
     x = ctx.env[x_old.name]
-    b = bind_schema(e)
+    b = e.bind_schema()
     lay = x.layout
     if lay is None or _norm(b["dim"], x.ndim) != lay.dim:
         return positionwise(ctx, e)
@@ -173,7 +159,7 @@ def pad_rule(ctx: ShardCtx, e: Eqn) -> None:
     x = ctx.env[e.inputs[0].name]
     if x.layout is None:
         return positionwise(ctx, e)
-    pads = list(bind_schema(e)["pad"])
+    pads = list(e.bind_schema()["pad"])
     touched = {x.ndim - 1 - i // 2 for i, p in enumerate(pads) if p}
     if x.layout.dim in touched:
         return gather_fallback(ctx, e)
@@ -196,7 +182,7 @@ def reduce_rule(ctx: ShardCtx, e: Eqn) -> None:
     x = ctx.env[x_old.name]
     if x.layout is None:
         return positionwise(ctx, e)
-    b = bind_schema(e)
+    b = e.bind_schema()
     dims = b.get("dim")
     dims = list(range(x.ndim)) if not dims else [_norm(d, x.ndim) for d in dims]
     lay = x.layout
@@ -225,7 +211,7 @@ def loss_rule(ctx: ShardCtx, e: Eqn) -> None:
     inp_old, tgt_old = e.inputs[0], e.inputs[1]
     if ctx.env[inp_old.name].layout is None and not ctx.wants_shard(inp_old):
         return replicate(ctx, e)
-    b = bind_schema(e)
+    b = e.bind_schema()
     if b.get("weight") is not None:
         raise ShardError(f"{describe(ctx, e)}: class weights in a sharded loss are not supported yet. "
                          "Fix: compute the loss with reduction='none' and weight it yourself.")
@@ -268,7 +254,7 @@ def attention_rule(ctx: ShardCtx, e: Eqn) -> None:
         raise ShardError(f"{describe(ctx, e)}: only aten.scaled_dot_product_attention is sharded; this trace "
                          "holds a backend attention op. Fix: shard the forward loss (autosp.shard / "
                          "value_and_grad differentiate it), not a function that calls torch.func.grad.")
-    b = bind_schema(e)
+    b = e.bind_schema()
     q_old, k_old, v_old = e.inputs[:3]
     gqa = bool(b.get("enable_gqa"))
     k_src, v_src = unrepeated_kv(ctx, k_old), unrepeated_kv(ctx, v_old)
@@ -407,7 +393,7 @@ def unrepeated_kv(ctx: ShardCtx, kv: Var) -> tuple[Var, int] | None:
     if e2 is None or e2.op.name != "expand" or e2.outputs[0].ndim != 5:
         return None
     e3 = ctx.producer.get(e2.inputs[0].name)
-    if e3 is None or e3.op.name != "unsqueeze" or _norm(bind_schema(e3)["dim"], 5) != 2:
+    if e3 is None or e3.op.name != "unsqueeze" or _norm(e3.bind_schema()["dim"], 5) != 2:
         return None
     x, rep = e3.inputs[0], e2.outputs[0]
     b, h, n, s, d = rep.shape
@@ -461,7 +447,7 @@ def scatter_rule(ctx: ShardCtx, e: Eqn) -> None:
     """slice_scatter / select_scatter: position-wise unless the window is along the sequence."""
     base = ctx.env[e.inputs[0].name]
     out = e.outputs[0]
-    d = bind_schema(e).get("dim", 0)
+    d = e.bind_schema().get("dim", 0)
     p = ctx.pos.get(out.name)
     if p is not None and _norm(d, out.ndim) == p.dim:
         return gather_fallback(ctx, e)
@@ -474,7 +460,7 @@ def repeat_interleave_rule(ctx: ShardCtx, e: Eqn) -> None:
     """repeat_interleave(x, r: int, dim) along the sequence: each rank repeats its own positions (the
     layout gains an inner factor r); a tensor of repeats falls back."""
     x = ctx.env[e.inputs[0].name]
-    b = bind_schema(e)
+    b = e.bind_schema()
     if x.layout is None or b.get("dim") is None or _norm(b["dim"], x.ndim) != x.layout.dim:
         return seq_dim_arg("dim")(ctx, e)
     if not isinstance(b.get("repeats"), int) or e.outputs[0].name not in ctx.pos:
@@ -485,7 +471,7 @@ def repeat_interleave_rule(ctx: ShardCtx, e: Eqn) -> None:
 def index_rule(ctx: ShardCtx, e: Eqn) -> None:
     """x[idx]: an index tensor that carries the sequence into a replicated table (expert weights
     gathered per token) is position-wise, so is a sharded x indexed along other dims; else fall back."""
-    b = bind_schema(e)
+    b = e.bind_schema()
     x = ctx.env[e.inputs[0].name]
     idx_old = [t for t in (b.get("indices") or []) if isinstance(t, Var)]
     idx = [ctx.env[t.name] for t in idx_old]
@@ -508,7 +494,7 @@ def histc_rule(ctx: ShardCtx, e: Eqn) -> None:
     x = ctx.env[e.inputs[0].name]
     if x.layout is None:
         return positionwise(ctx, e)
-    b = bind_schema(e)
+    b = e.bind_schema()
     lo, hi = float(b["min"]), float(b["max"])
     if not lo < hi:
         return gather_fallback(ctx, e)
@@ -523,7 +509,7 @@ def creation_rule(ctx: ShardCtx, e: Eqn) -> None:
     """new_zeros / new_empty / zeros / full ...: a constant fill; where it holds an activation's sequence
     (it is written into), it is made at the local size, else replicated."""
     out = e.outputs[0]
-    b = bind_schema(e)
+    b = e.bind_schema()
     if not ctx.wants_shard(out) or "size" not in b:
         return replicate(ctx, e)
     lay = ctx.layout_for(out)
