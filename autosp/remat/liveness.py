@@ -77,6 +77,8 @@ def _cpu_flash_backward(e: Eqn) -> int:
 
 # aten overload -> its workspace, where the canonical op name covers kernels that differ (every
 # SDPA overload is "attention"). Measured with the profiler's allocation events, by thread count.
+# Counted in a CPU step only: a program traced on the host is also how a GPU step is planned (autosp
+# plan, meta models), and there a GPU kernel runs with its own, small, workspace.
 _CPU_FLASH = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CPU_FLASH_BWD = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 WORKSPACE_BY_TARGET = {}
@@ -86,8 +88,8 @@ if _CPU_FLASH_BWD is not None:
     WORKSPACE_BY_TARGET[_CPU_FLASH_BWD.default] = _cpu_flash_backward
 
 
-def workspace(e: Eqn) -> int:
-    f = WORKSPACE.get(e.op.name) or WORKSPACE_BY_TARGET.get(e.op.target)
+def workspace(e: Eqn, device: str = "cpu") -> int:
+    f = WORKSPACE.get(e.op.name) or (WORKSPACE_BY_TARGET.get(e.op.target) if device == "cpu" else None)
     return f(e) if f is not None else 0
 
 
@@ -118,11 +120,13 @@ def last_uses(graph: Graph) -> dict[str, int]:
     return last
 
 
-def simulate(graph: Graph, counted=(), keep=(), base: int = 0, host=(), detail: bool = False) -> Timeline:
+def simulate(graph: Graph, counted=(), keep=(), base: int = 0, host=(), detail: bool = False,
+             device: str = "cpu") -> Timeline:
     """Bytes live through `graph`. Inputs named in `counted` (and their storages) count from the
     start and are freed after their last use; other inputs and constants are not counted (they
     live before and after the program). `keep`: names alive to the end besides the outputs.
-    `host`: names of values in host memory (offloaded copies), which the device does not hold."""
+    `host`: names of values in host memory (offloaded copies), which the device does not hold.
+    `device`: the kind of device the step runs on ('cpu', 'cuda'), for kernels' workspaces."""
     root = roots(graph)
     counted = set(counted) - set(host)
     host = set(host)
@@ -170,7 +174,7 @@ def simulate(graph: Graph, counted=(), keep=(), base: int = 0, host=(), detail: 
                 cur += size[r]
             if r in size or a is None:
                 hold(v)
-        during.append(cur + workspace(e))
+        during.append(cur + workspace(e, device))
         if detail and during[-1] > best:
             best = during[-1]
             snapshot = tuple(sorted(size.items(), key=lambda kv: -kv[1]))

@@ -131,16 +131,17 @@ def parse_budget(budget) -> tuple[str, float]:
                       "bytes, or a string such as '20GiB'.")
 
 
-def simulate_step(program: Program) -> StepMemory:
-    """The step's bytes over time: the forward, then the backward with the forward's results live."""
+def simulate_step(program: Program, device: str = "cpu") -> StepMemory:
+    """The step's bytes over time on a `device` ('cpu', 'cuda'): the forward, then the backward with
+    the forward's results live."""
     host = {host_name(n) for n in program.offloaded}
-    f = L.simulate(program.forward, host=host)
+    f = L.simulate(program.forward, host=host, device=device)
     kept = list(program.saved) + sorted(host)
     tangents = [v.name for v in program.backward.inputs if v.role.value == "tangent"]
     # forward outputs that the backward does not take stay alive (the caller holds them)
     out_bytes = _distinct_bytes([o for o in program.forward.outputs[:program.n_outputs] if isinstance(o, Var)],
                                 exclude=set(program.saved))
-    b = L.simulate(program.backward, counted=set(kept) | set(tangents), base=out_bytes, host=host)
+    b = L.simulate(program.backward, counted=set(kept) | set(tangents), base=out_bytes, host=host, device=device)
     return StepMemory(f, b)
 
 
@@ -204,7 +205,7 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False,
     inf = float("inf")
     full_x = solve_placed(problem, needs, inf, classes=classes)
     full = _program(joint, problem, full_x)
-    no_remat = simulate_step(full).peak
+    no_remat = simulate_step(full, device.name).peak
     if budget is None:
         return _describe(problem, joint, full_x, full, no_remat, None, None, device), full
     kind, amount = parse_budget(budget)
@@ -214,7 +215,7 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False,
 
     def simulated(x):
         prog = _program(joint, problem, x)
-        return prog, simulate_step(prog).peak
+        return prog, simulate_step(prog, device.name).peak
 
     model_budget = target
     best = None
@@ -306,6 +307,6 @@ def _describe(p: IlpProblem, joint: Joint, x, program: Program, no_remat, target
         decisions.append(Decision(n, act, e.op.name, o.type_str(), L.nbytes(o), fl, float(c)))
     rflops = sum(eqn_cost(e, device).flops for e in recomputed_eqns)
     rsec = sum(eqn_cost(e, device).seconds for e in recomputed_eqns)
-    peak = simulate_step(program).peak
+    peak = simulate_step(program, device.name).peak
     return Plan(tuple(decisions), int(peak), int(no_remat), target, least, int(rflops), float(rsec),
                 sum(d.bytes for d in decisions if d.action == "offload"), device.name)

@@ -278,8 +278,8 @@ def build(joint: Joint, device: Device, offload: bool = False, lead: int = 8) ->
 
     # time: the forward program that saves nothing, then the backward with free forward inputs
     alone = apply_plan(joint, saved=(), recomputed=(), backward=False)
-    tf = L.simulate(alone.forward)
-    tb = _backward_alone(joint, producer)
+    tf = L.simulate(alone.forward, device=device.name)
+    tb = _backward_alone(joint, producer, device.name)
     nF = len(tf.during)
     base = np.concatenate([np.array(tf.during, dtype=np.float64),
                            np.array(tb.during, dtype=np.float64) + tf.end])
@@ -309,7 +309,7 @@ def build(joint: Joint, device: Device, offload: bool = False, lead: int = 8) ->
     return problem, needs
 
 
-def _backward_alone(joint: Joint, producer) -> L.Timeline:
+def _backward_alone(joint: Joint, producer, device: str) -> L.Timeline:
     """The backward's own bytes: the forward values it reads are inputs that are not counted."""
     from autosp.ir.core import Graph, Role, Var
     g = joint.graph
@@ -322,4 +322,4 @@ def _backward_alone(joint: Joint, producer) -> L.Timeline:
     bg = Graph(tuple(g.inputs[:joint.n_primals]) + tuple(seen.values()) + tuple(tangents),
                tuple(joint.backward_eqns), tuple(g.outputs[joint.n_fwd_outputs:]), consts=g.consts,
                name="backward-alone")
-    return L.simulate(bg, counted={v.name for v in tangents})
+    return L.simulate(bg, counted={v.name for v in tangents}, device=device)

@@ -53,10 +53,10 @@ def _collectives(graph) -> list[str]:
             for (name, types), count in sorted(rows.items())]
 
 
-def _timeline(program) -> tuple[list[int], int]:
-    """Bytes live while each equation of the step runs, and where the backward starts."""
+def _timeline(program, device: str) -> tuple[list[int], int]:
+    """Bytes live while each equation of the step runs on `device`, and where the backward starts."""
     from autosp.remat import simulate_step
-    mem = simulate_step(program)
+    mem = simulate_step(program, device)
     return list(mem.forward.during) + list(mem.backward.during), len(mem.forward.during)
 
 
@@ -114,7 +114,7 @@ def explain_model(model: str, *, seq_len: int, sp: int, budget, dtype: str = "fl
     lines += [f"all-to-alls in the backward: {n_a2a} without remat, {len(recomputed)} with the plan "
               f"({len(recomputed) - n_a2a} recomputed)", "", str(plan), ""]
     budget_bytes = plan.budget_bytes
-    curves = [("no remat", *_timeline(none_prog)), (f"plan (budget {budget})", *_timeline(prog))]
+    curves = [("no remat", *_timeline(none_prog, device)), (f"plan (budget {budget})", *_timeline(prog, device))]
     lines.append(f"per-rank peak: {fmt(none_plan.peak_bytes)} without remat, {fmt(plan.peak_bytes)} with the plan "
                  f"({plan.peak_bytes / none_plan.peak_bytes:.2f}x); recompute {plan.recompute_flops:.3g} FLOPs")
     if png:

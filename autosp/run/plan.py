@@ -114,10 +114,10 @@ def _least(graph, device: str, offload: bool = False) -> int:
     return int(plan.peak_bytes)
 
 
-def _profile(program) -> tuple[np.ndarray, int]:
-    """The bytes live at every point of the simulated step, and a hash of the program's shape."""
+def _profile(program, device: str) -> tuple[np.ndarray, int]:
+    """The bytes live at every point of the simulated step on `device`, and a hash of the program's shape."""
     from autosp.remat import simulate_step
-    mem = simulate_step(program)
+    mem = simulate_step(program, device)
     values = []
     for t in (mem.forward, mem.backward):
         values += [t.start, *t.during, t.end]
@@ -139,7 +139,7 @@ def probe(tracer, length: int, device: str, offload: bool) -> Probe:
     profiles = {}
     for key, graph, ranks in (("nosp", p.graph, 1), ("sp", p.local, tracer.sp)):
         _, program = _step(graph, None, device)
-        values, shape = _profile(program)
+        values, shape = _profile(program, device)
         profiles[key] = (values, shape, comm_bytes(program, ranks))
     return Probe(length, profiles, _least(p.local, device, offload))
 
@@ -353,7 +353,7 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
                             + (f"; it offloads {fmt(plan.offload_bytes)} to host memory per rank"
                                if plan.offload_bytes else "")))
             _, prog3 = _step(pg.local, None, device)
-            v3, _ = _profile(prog3)
+            v3, _ = _profile(prog3, device)
             recheck = (glen, abs(models["sp"].peak(glen) - (float(np.max(v3)) + tokens(glen))))
     dp_comm = ring_allreduce_bytes(g_bytes, dp)
     sp_grad = ring_allreduce_bytes(g_bytes, sp)
