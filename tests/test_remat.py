@@ -208,6 +208,15 @@ def test_budget_errors_name_the_budget_and_the_fix():
         make_plan(joint, 64, device_for("cpu"))
     msg = str(info.value)
     assert "memory_budget=64" in msg and "smallest peak" in msg and "of the no-remat peak" in msg and "Fix:" in msg
+    least = info.value.least_peak_bytes
+    # "least" asks for that plan directly; the least budget in bytes is accepted, and without refinement
+    # (what `autosp plan` asks) any plan that fits comes back, never one over the budget
+    assert parse_budget("least") == ("least", 0.0)
+    plan, _ = make_plan(joint, "least", device_for("cpu"))
+    assert plan.peak_bytes <= least and plan.least_peak_bytes == plan.peak_bytes
+    for refine in (True, False):
+        plan, _ = make_plan(joint, least, device_for("cpu"), refine=refine)
+        assert plan.peak_bytes <= least
 
 
 def _offload_job(rank, world):

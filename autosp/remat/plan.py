@@ -109,7 +109,7 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 
 
 def parse_budget(budget) -> tuple[str, float]:
-    """('fraction', f) or ('bytes', n) from 0.3, 6 * 2**30, '20GiB', '512 MB'."""
+    """('fraction', f) or ('bytes', n) from 0.3, 6 * 2**30, '20GiB', '512 MB'; ('least', 0) from 'least'."""
     if isinstance(budget, bool) or budget is None:
         raise AutospError(f"memory_budget={budget!r}: expected a fraction of the no-remat peak (0.3) or bytes "
                           "(an int, or a string such as '20GiB').")
@@ -121,11 +121,14 @@ def parse_budget(budget) -> tuple[str, float]:
         if budget <= 0:
             raise AutospError(f"memory_budget={budget}: bytes must be positive. Fix: e.g. memory_budget=6 * 2**30.")
         return "bytes", float(budget)
+    if isinstance(budget, str) and budget.strip().lower() == "least":
+        return "least", 0.0
     if isinstance(budget, str):
         m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", budget)
         unit = m.group(2).lower() if m else None
         if m is None or unit not in _UNITS:
-            raise AutospError(f"memory_budget={budget!r}: not a size. Fix: write it like '20GiB', '512MiB' or '6e9'.")
+            raise AutospError(f"memory_budget={budget!r}: not a size. Fix: write it like '20GiB', '512MiB' or '6e9', "
+                              "or 'least' for the least peak the planner reaches.")
         return "bytes", float(m.group(1)) * _UNITS[unit]
     raise AutospError(f"memory_budget={budget!r} ({type(budget).__name__}): expected a float fraction, an int of "
                       "bytes, or a string such as '20GiB'.")
@@ -195,9 +198,11 @@ def solve_placed(problem: IlpProblem, needs: Needs, budget: float | None, *, min
 
 
 def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False,
-              template: bool | None = None) -> tuple[Plan, Program]:
+              template: bool | None = None, refine: bool = True) -> tuple[Plan, Program]:
     """The plan for `budget` and its programs. `template`: tie identical layers (template.py);
-    None ties them when the problem is large (more than 200 binaries)."""
+    None ties them when the problem is large (more than 200 binaries). budget="least": the plan
+    with the smallest peak found. With `refine` False the plan is any that fits, not the cheapest
+    (no cost-minimising solve, the slowest kind): what the planning command's length search asks."""
     problem, needs = build(joint, device, offload=offload)
     if template is None:
         template = problem.n_bin > 200
@@ -209,19 +214,26 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False,
     if budget is None:
         return _describe(problem, joint, full_x, full, no_remat, None, None, device), full
     kind, amount = parse_budget(budget)
-    target = amount * no_remat if kind == "fraction" else amount
-    if target >= no_remat:
-        return _describe(problem, joint, full_x, full, no_remat, int(target), None, device), full
 
     def simulated(x):
         prog = _program(joint, problem, x)
         return prog, simulate_step(prog, device.name).peak
 
+    if kind == "least":
+        least = _least(problem, needs, classes, simulated, no_remat, full_x, full)
+        if refine:
+            least = _cheapest_at(problem, needs, classes, simulated, least)
+        x, prog, peak = least
+        return _describe(problem, joint, x, prog, no_remat, int(peak), int(peak), device), prog
+    target = amount * no_remat if kind == "fraction" else amount
+    if target >= no_remat:
+        return _describe(problem, joint, full_x, full, no_remat, int(target), None, device), full
+
     model_budget = target
     best = None
     for _ in range(6):
         try:
-            x = solve_placed(problem, needs, model_budget, classes=classes)
+            x = solve_placed(problem, needs, model_budget, classes=classes, feasibility=not refine)
         except Infeasible:
             break
         prog, peak = simulated(x)
@@ -237,7 +249,11 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False,
         # directly is a much harder MIP); its plan is used if it fits, else the budget is refused
         least = _least(problem, needs, classes, simulated, no_remat, full_x, full)
         least_peak = least[2]
-        if least_peak > target:
+        if least_peak <= target:
+            if refine:
+                least = _cheapest_at(problem, needs, classes, simulated, least)
+                least_peak = least[2]
+        else:
             raise BudgetError(
                 f"autosp remat: memory_budget={budget!r} ({_fmt(target)} per rank) is below the smallest peak the "
                 f"planner reaches, {least_peak} bytes ({_fmt(least_peak)}, {least_peak / no_remat:.3f} of the "
@@ -263,16 +279,21 @@ def _least(problem, needs, classes, simulated, no_remat, full_x, full, tol: floa
         if peak < best[2]:
             best = (x, prog, peak)
         hi = min(mid, peak) if peak <= mid else mid
-    if best[0] is not full_x:
-        # the cheapest plan at that peak
-        try:
-            x = solve_placed(problem, needs, float(best[2]), classes=classes)
-            prog, peak = simulated(x)
-            if peak <= best[2]:
-                best = (x, prog, peak)
-        except Infeasible:
-            pass
     return best
+
+
+def _cheapest_at(problem, needs, classes, simulated, least):
+    """The cheapest plan at the least peak found (only when it is used: a refused budget needs the
+    peak alone, and this cost-minimising solve is the slowest of the search)."""
+    x, prog, peak = least
+    try:
+        y = solve_placed(problem, needs, float(peak), classes=classes)
+        prog_y, peak_y = simulated(y)
+        if peak_y <= peak:
+            return (y, prog_y, peak_y)
+    except Infeasible:
+        pass
+    return least
 
 
 def _program(joint: Joint, p: IlpProblem, x) -> Program:

@@ -14,9 +14,11 @@ either independent of the sequence length L or proportional to it, and the execu
 depend on L, so for a fixed program the bytes live at each equation are affine in L, and the peak is
 the largest of those affine functions. Two meta traces (L1, L2) fix them exactly; the longest L is
 then solved for, per equation. The ILP plan changes with L, so its least reachable peak at L1 and L2
-gives an estimate that is checked by a third trace at the answer: the plan must fit there (else the
-estimate is corrected by a secant step and checked again). The third trace also re-checks the
-affine model of the no-remat program.
+gives an estimate that is checked by a third trace at the answer: a plan must fit there (else the
+estimate is corrected by a secant step and checked again). Only peaks are asked for: the least peak
+with no cheapest-plan solve after it, and at the check any plan that fits (feasibility solves), so the
+row's traffic is that plan's, not the cheapest's. The third trace also re-checks the affine model of
+the no-remat program.
 """
 from __future__ import annotations
 
@@ -95,23 +97,12 @@ def _device(kind: str, offload: bool):
 
 
 def _step(graph, budget, device: str, offload: bool = False):
-    """(Plan, Program) of one training step of `graph` under `budget` (None: no remat)."""
+    """(Plan, Program) of one training step of `graph` under `budget` (None: no remat; "least": the
+    plan with the least peak found, not made cheaper: only its peak and traffic are reported)."""
     from autosp.remat import joint_of, make_plan
     _, joint = joint_of(graph)
     dev = _device(device, offload)
-    return make_plan(joint, budget, dev, offload=dev.host_bw is not None)
-
-
-def _least(graph, device: str, offload: bool = False) -> int:
-    """The smallest per-rank peak any plan reaches (asked for with a 1-byte budget)."""
-    from autosp.remat import BudgetError
-    try:
-        plan, _ = _step(graph, 1, device, offload)
-    except BudgetError as exc:
-        if exc.least_peak_bytes is None:
-            raise
-        return int(exc.least_peak_bytes)
-    return int(plan.peak_bytes)
+    return make_plan(joint, budget, dev, offload=dev.host_bw is not None, refine=False)
 
 
 def _profile(program, device: str) -> tuple[np.ndarray, int]:
@@ -141,7 +132,7 @@ def probe(tracer, length: int, device: str, offload: bool) -> Probe:
         _, program = _step(graph, None, device)
         values, shape = _profile(program, device)
         profiles[key] = (values, shape, comm_bytes(program, ranks))
-    return Probe(length, profiles, _least(p.local, device, offload))
+    return Probe(length, profiles, _step(p.local, "least", device, offload)[0].peak_bytes)
 
 
 def _both(first, second, parallel: bool = True):
