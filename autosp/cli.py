@@ -32,7 +32,7 @@ def _budget(text: str | None):
     """--memory-budget: a fraction of the no-remat peak (0.5) or bytes per rank ('6GiB', 6e9)."""
     if text is None:
         return None
-    from autosp.remat.plan import parse_budget
+    from autosp.remat import parse_budget
     try:
         value = float(text)
     except ValueError:

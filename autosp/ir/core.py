@@ -45,6 +45,10 @@ class Var:
             n *= d
         return n
 
+    def nbytes(self) -> int:
+        """Bytes of the value's elements (0 for a non-tensor value)."""
+        return 0 if self.dtype is None else self.numel() * self.dtype.itemsize
+
     def type_str(self) -> str:
         if self.dtype is None:
             return "none"

@@ -36,12 +36,19 @@ def joint_of(local):
     return hit
 
 
-def plan_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=None):
-    """(Plan, Program, Joint, StepBoundary) for a sharded forward graph; runs nothing."""
+def plan_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=None, offload: bool | None = None,
+              refine: bool = True):
+    """(Plan, Program, Joint, StepBoundary) for a sharded forward graph; runs nothing. The one planning
+    entry of autosp.plan, autosp.explain and the command line. `offload`: None plans offload where the
+    device has a host link (a GPU, or `host_bandwidth`), False never; `refine`: make_plan's."""
+    from dataclasses import replace
+
     from autosp.remat.cost import device_for
     boundary, joint = joint_of(local)
     dev = device_for(device, host_bandwidth)
-    plan, program = make_plan(joint, memory_budget, dev, offload=dev.host_bw is not None)
+    if offload is False:
+        dev = replace(dev, host_bw=None)
+    plan, program = make_plan(joint, memory_budget, dev, offload=dev.host_bw is not None, refine=refine)
     return plan, program, joint, boundary
 
 

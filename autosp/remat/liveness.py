@@ -23,9 +23,7 @@ aten = torch.ops.aten
 
 
 def nbytes(v: Var) -> int:
-    if v.dtype is None:
-        return 0
-    return v.numel() * v.dtype.itemsize
+    return v.nbytes()
 
 
 # ---------------------------------------------------------------- workspaces (calibrated)

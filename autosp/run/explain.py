@@ -39,7 +39,6 @@ def _layouts(graph) -> Counter:
 
 
 def _collectives(graph) -> list[str]:
-    from autosp.remat.liveness import nbytes
     rows = Counter()
     size = {}
     for e in graph.eqns:
@@ -48,7 +47,7 @@ def _collectives(graph) -> list[str]:
             continue
         key = (name, " ".join(v.type_str() for v in e.inputs if v.dtype is not None))
         rows[key] += 1
-        size[key] = sum(nbytes(v) for v in e.inputs)
+        size[key] = sum(v.nbytes() for v in e.inputs)
     return [f"  {name} x{count}: {types} ({fmt(size[(name, types)])} in each)"
             for (name, types), count in sorted(rows.items())]
 

@@ -47,7 +47,7 @@ def fmt(n: float) -> str:
 
 
 def parse_memory(text: str) -> int:
-    from autosp.remat.plan import parse_budget
+    from autosp.remat import parse_budget
     try:
         kind, value = parse_budget(text)
     except AutospError:
@@ -88,21 +88,13 @@ class Tracer:
         return Programs(length, graph, local)
 
 
-def _device(kind: str, offload: bool):
-    from dataclasses import replace
-
-    from autosp.remat.cost import device_for
-    dev = device_for(kind)
-    return dev if offload and dev.host_bw is not None else replace(dev, host_bw=None)
-
-
-def _step(graph, budget, device: str, offload: bool = False):
+def _step(graph, budget, device: str, offload: bool = False, refine: bool = True):
     """(Plan, Program) of one training step of `graph` under `budget` (None: no remat; "least": the
-    plan with the least peak found, not made cheaper: only its peak and traffic are reported)."""
-    from autosp.remat import joint_of, make_plan
-    _, joint = joint_of(graph)
-    dev = _device(device, offload)
-    return make_plan(joint, budget, dev, offload=dev.host_bw is not None, refine=False)
+    plan with the least peak found), through the planning entry autosp.plan uses. refine=False: any
+    plan that fits, for the length search, which reports peaks."""
+    from autosp.remat import plan_step
+    plan, program, _, _ = plan_step(graph, budget, device=device, offload=offload, refine=refine)
+    return plan, program
 
 
 def _profile(program, device: str) -> tuple[np.ndarray, int]:
@@ -132,7 +124,7 @@ def probe(tracer, length: int, device: str, offload: bool) -> Probe:
         _, program = _step(graph, None, device)
         values, shape = _profile(program, device)
         profiles[key] = (values, shape, comm_bytes(program, ranks))
-    return Probe(length, profiles, _step(p.local, "least", device, offload)[0].peak_bytes)
+    return Probe(length, profiles, _step(p.local, "least", device, offload, refine=False)[0].peak_bytes)
 
 
 def _both(first, second, parallel: bool = True):
@@ -177,7 +169,6 @@ def _both(first, second, parallel: bool = True):
 def comm_bytes(program, sp: int) -> int:
     """Bytes each rank sends in the step's collectives: all-to-all (P-1)/P of its input, ring
     all-reduce 2(P-1)/P, all-gather (P-1) times its chunk (recomputed collectives included)."""
-    from autosp.remat.liveness import nbytes
     if sp <= 1:
         return 0
     total = 0.0
@@ -186,7 +177,7 @@ def comm_bytes(program, sp: int) -> int:
             name = e.op.name.split(".")[0]
             if name not in _COLLECTIVES:
                 continue
-            size = sum(nbytes(v) for v in e.inputs)
+            size = sum(v.nbytes() for v in e.inputs)
             total += {"all_to_all": (sp - 1) / sp, "all_reduce_sum": 2 * (sp - 1) / sp,
                       "all_gather_seq": sp - 1}[name] * size
     return int(total)
@@ -318,7 +309,7 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
             guess = max(guess, floor_len + step)
             pg = tracer.trace(guess)
             try:
-                plan, prog = _step(pg.local, int(avail - tokens(guess)), device, offload)
+                plan, prog = _step(pg.local, int(avail - tokens(guess)), device, offload, refine=False)
             except BudgetError as exc:
                 least.append((guess, exc.least_peak_bytes + tokens(guess)))
                 below = [p for p in least if p[0] < guess]
