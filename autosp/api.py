@@ -17,6 +17,7 @@ from autosp.errors import AutospError
 from autosp.ir.core import Graph
 from autosp.ir.lower import lower
 from autosp.ir.verify import verify
+from autosp.params import is_dtensor, keep_policy, local_input, mixed_precision, param_shard, stand_in
 from autosp.passes.functionalize import functionalize
 from autosp.passes.shard import shard_graph
 from autosp.passes.shard_ctx import MeshInfo
@@ -69,8 +70,16 @@ class Sharded:
             pass
 
     def _signature(self, leaves):
-        return tuple((tuple(x.shape), x.dtype, x.requires_grad, x.device.type) if isinstance(x, torch.Tensor)
-                     else ("static", x) for x in leaves)
+        return tuple((tuple(x.shape), x.dtype, x.requires_grad, x.device.type)
+                     + ((tuple(x.placements), _mesh_groups(x.device_mesh), mixed_precision(x)) if is_dtensor(x) else ())
+                     if isinstance(x, torch.Tensor) else ("static", x) for x in leaves)
+
+    def _param_shards(self, args) -> list:
+        """Per pytree leaf: the ParamShard of a DTensor parameter (autosp.params), else None."""
+        leaves, _ = pytree.tree_flatten(args)
+        paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(args)[0]]
+        world = self.info.sp_size * self.info.dp_size
+        return [param_shard(x, path, world) if is_dtensor(x) else None for x, path in zip(leaves, paths)]
 
     def _agree(self, sig, leaves, paths):
         """All sp ranks must pass the same global values: compare shapes and checksums once per compile."""
@@ -96,12 +105,23 @@ class Sharded:
                 "Fix: every rank of an sp group passes the same global batch (shard along dp instead).")
 
     def graphs(self, *args) -> tuple[Graph, Graph]:
-        """(global trace, per-rank sharded graph) for these arguments."""
+        """(global trace, per-rank sharded graph) for these arguments. DTensor parameters (FSDP2's
+        layout) are traced with their global shapes and gathered in the per-rank graph."""
         self._check_args(args)
-        graph = functionalize(trace(self.fn, *args))
+        shards = self._param_shards(args)
+        traced = args
+        if any(is_dtensor(x) for x in pytree.tree_leaves(args)):
+            from torch._subclasses.fake_tensor import FakeTensorMode
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            leaves, spec = pytree.tree_flatten(args)
+            traced = pytree.tree_unflatten([stand_in(x, ps, mode) if is_dtensor(x) else x
+                                            for x, ps in zip(leaves, shards)], spec)
+        graph = functionalize(trace(self.fn, *traced))
+        tensors = [ps for x, ps in zip(pytree.tree_leaves(args), shards) if isinstance(x, torch.Tensor)]
+        params = {v.name: ps for v, ps in zip(graph.inputs, tensors) if ps is not None}
         specs = _flat_specs(self.in_specs, args, graph)
         keep = _keep_sharded(self.out_specs, graph)
-        local = shard_graph(graph, self.info, in_specs=specs, keep_sharded=keep)
+        local = shard_graph(graph, self.info, in_specs=specs, keep_sharded=keep, params=params)
         if os.environ.get("AUTOSP_CHECKS") == "1":
             verify(local)
         return graph, local
@@ -115,11 +135,12 @@ class Sharded:
             paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(args)[0]]
             self._agree(key[1], leaves, paths)
             _, local = self.graphs(*args)
+            shards = self._param_shards(args)
             if self.memory_budget is None:
-                hit = (local, lower(local), None)
+                hit = (local, lower(local), None, shards)
             else:
                 plan, runner = self._remat(local, leaves)
-                hit = (local, runner, plan)
+                hit = (local, runner, plan, shards)
             self._cache[key] = hit
         return hit
 
@@ -136,17 +157,24 @@ class Sharded:
         return self.compile(*args)[2]
 
     def __call__(self, *args):
-        local, module, _ = self.compile(*args)
+        local, module, _, shards = self.compile(*args)
         leaves, _ = pytree.tree_flatten(args)
+        leaves = [local_input(x, ps) if is_dtensor(x) else x for x, ps in zip(leaves, shards)]
         static = {i for i, _ in local.static_args}
         outs = module(*[x for i, x in enumerate(leaves) if i not in static])
         return pytree.tree_unflatten(list(outs), local.out_spec)
 
 
+def _mesh_groups(mesh) -> tuple[str, ...]:
+    """A DeviceMesh by its process groups' names (the same on every rank, unlike the object)."""
+    return tuple(mesh.get_group(i).group_name for i in range(mesh.ndim))
+
+
 def _checksum(x) -> int | None:
     """An exact, order-independent checksum of a tensor's bytes (integer sums do not depend on
-    thread counts the way float sums do), or None for non-tensors and meta tensors."""
-    if not isinstance(x, torch.Tensor) or x.device.type == "meta":
+    thread counts the way float sums do), or None for non-tensors, meta tensors and DTensors (each
+    rank holds its own shard)."""
+    if not isinstance(x, torch.Tensor) or x.device.type == "meta" or is_dtensor(x):
         return None
     raw = x.detach().contiguous().reshape(-1).view(torch.uint8)
     words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
@@ -235,8 +263,8 @@ def compile(model: torch.nn.Module, mesh, *, in_specs=None, out_specs=None, memo
 def _differentiable(params):
     """The first argument's floating leaves as fresh leaves that require grad (value_and_grad's view)."""
     leaves, spec = pytree.tree_flatten(params)
-    live = [x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-            for x in leaves]
+    live = [keep_policy(x, x.detach().requires_grad_(True)) if isinstance(x, torch.Tensor) and x.is_floating_point()
+            else x for x in leaves]
     return pytree.tree_unflatten(live, spec)
 
 

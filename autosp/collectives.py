@@ -324,3 +324,77 @@ class _GradScale(torch.autograd.Function):
 def grad_scale(x: Tensor, factor: float) -> Tensor:
     """Identity whose backward multiplies by `factor`: turns the caller's seed into this rank's share."""
     return _GradScale.apply(x, factor)
+
+
+# ---------------------------------------------------------------- parameters sharded on dim 0 (FSDP2's layout)
+
+# torch renamed them (the old names warn from 2.13 on); older torch has only the old ones
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _gather_rows(send: Tensor, group_name: str) -> Tensor:
+    """Every rank's `send` (the same shape everywhere) concatenated along dim 0, in group rank order."""
+    p = group_size(group_name)
+    out = send.new_empty((p * send.shape[0],) + tuple(send.shape[1:]))
+    try:
+        _ALL_GATHER(out, send, group=_pg(group_name))
+    except (RuntimeError, NotImplementedError):         # a backend without it: the list form
+        dist.all_gather(list(out.chunk(p)), send, group=_pg(group_name))
+    return out
+
+
+def _scatter_sum_rows(full: Tensor, group_name: str) -> Tensor:
+    """The sum over ranks of `full`, this rank's 1/P of its rows (reduce-scatter)."""
+    p = group_size(group_name)
+    out = full.new_empty((full.shape[0] // p,) + tuple(full.shape[1:]))
+    try:
+        _REDUCE_SCATTER(out, full, group=_pg(group_name))
+    except (RuntimeError, NotImplementedError):         # a backend without it: all-reduce, keep this rank's rows
+        dist.all_reduce(full, group=_pg(group_name))
+        out.copy_(full.chunk(p)[group_rank(group_name)])
+    return out
+
+
+@torch.library.custom_op("autosp::all_gather_param", mutates_args=())
+def all_gather_param(x: Tensor, rows: int, group_name: str, dtype: torch.dtype, reduce_dtype: torch.dtype) -> Tensor:
+    """The whole parameter from every rank's shard of its first dim (each padded to the same `chunk`
+    rows), cast to the compute dtype before it moves (FSDP2's param_dtype); `rows` drops the padding.
+    Backward: the gradient summed over the group in `reduce_dtype`, this rank's rows (reduce-scatter)."""
+    full = _gather_rows(x.to(dtype).contiguous(), group_name)
+    return full if rows == full.shape[0] else full[:rows].clone()
+
+
+@all_gather_param.register_fake
+def _(x, rows, group_name, dtype, reduce_dtype):
+    return x.new_empty((rows,) + tuple(x.shape[1:]), dtype=dtype)
+
+
+@torch.library.custom_op("autosp::reduce_scatter_param", mutates_args=())
+def reduce_scatter_param(g: Tensor, chunk: int, group_name: str, reduce_dtype: torch.dtype,
+                         dtype: torch.dtype) -> Tensor:
+    """A whole parameter's gradient share -> this rank's `chunk` rows of the sum over the group,
+    reduced in `reduce_dtype` and returned in the shard's `dtype`."""
+    p = group_size(group_name)
+    full = g.new_zeros((p * chunk,) + tuple(g.shape[1:]), dtype=reduce_dtype)
+    full[:g.shape[0]].copy_(g)
+    out = _scatter_sum_rows(full, group_name)
+    _release(full)
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+@reduce_scatter_param.register_fake
+def _(g, chunk, group_name, reduce_dtype, dtype):
+    return g.new_empty((chunk,) + tuple(g.shape[1:]), dtype=dtype)
+
+
+def _gather_param_setup(ctx, inputs, output):
+    x, _, group_name, _, reduce_dtype = inputs
+    ctx.args = (x.shape[0], group_name, reduce_dtype, x.dtype)
+
+
+def _gather_param_backward(ctx, g):
+    return reduce_scatter_param(g.contiguous(), *ctx.args), None, None, None, None
+
+
+all_gather_param.register_autograd(_gather_param_backward, setup_context=_gather_param_setup)

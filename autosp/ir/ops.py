@@ -134,7 +134,8 @@ for _name, (_tags, _ovs) in _VOCAB.items():
         _BY_TARGET[_o] = Op(_name, _o, _tags)
 
 
-_COLLECTIVES = {"all_to_all", "all_reduce_sum", "all_gather_seq", "shard_slice", "unshard_grad"}
+_COLLECTIVES = {"all_to_all", "all_reduce_sum", "all_gather_seq", "shard_slice", "unshard_grad",
+                "all_gather_param", "reduce_scatter_param"}
 
 
 def op_for(target) -> Op:

@@ -18,6 +18,7 @@ from autosp.ir.core import Graph, Role, Var
 from autosp.layout import seq_dim_of_spec
 from autosp.ir.ops import Tag
 from autosp.passes.dce import dce
+from autosp.passes.prefetch import schedule_gathers
 from autosp.passes.dispatch import dispatch_rule, find_dispatch_regions
 from autosp.passes.seqdims import SeqPos, attention_length, infer_seq_positions
 from autosp.passes.shard_ctx import MeshInfo, ShardCtx
@@ -86,8 +87,13 @@ def spec_seeds(graph: Graph, in_specs) -> dict[str, SeqPos | None]:
     return seeds
 
 
-def shard_graph(graph: Graph, mesh: MeshInfo, *, in_specs=None, keep_sharded=()) -> Graph:
-    """Rewrite a global forward graph into the per-rank graph (local shapes, collectives)."""
+def shard_graph(graph: Graph, mesh: MeshInfo, *, in_specs=None, keep_sharded=(), params=None) -> Graph:
+    """Rewrite a global forward graph into the per-rank graph (local shapes, collectives).
+
+    `params`: input name -> autosp.params.ParamShard for parameters split on dim 0 (FSDP2's
+    layout): the per-rank graph takes the shard and gathers it (all_gather_param), whose backward
+    reduce-scatters the gradient; schedule_gathers then issues each gather a layer ahead of use."""
+    params = params or {}
     seeds = spec_seeds(graph, in_specs)
     regions = find_regions(graph)
     length = attention_length(graph, regions)
@@ -112,8 +118,12 @@ def shard_graph(graph: Graph, mesh: MeshInfo, *, in_specs=None, keep_sharded=())
     new_inputs = []
     with ctx.fake_mode:
         for v in graph.inputs:
-            nv = Var(v.name, v.dtype, v.shape, v.device, role=v.role)
-            ctx.fakes[v.name] = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+            ps = params.get(v.name)
+            if ps is not None and ps.rows:          # the shard: `chunk` rows of the master dtype
+                nv = Var(v.name, ps.master, (ps.chunk,) + v.shape[1:], v.device, role=v.role)
+            else:
+                nv = Var(v.name, v.dtype, v.shape, v.device, role=v.role)
+            ctx.fakes[v.name] = torch.empty(nv.shape, dtype=nv.dtype, device=nv.device)
             new_inputs.append(nv)
             ctx.env[v.name] = nv
     new_consts = []
@@ -122,6 +132,14 @@ def shard_graph(graph: Graph, mesh: MeshInfo, *, in_specs=None, keep_sharded=())
         ctx.env[v.name] = v
         new_consts.append((v, t))
     for v in graph.inputs:
+        ps = params.get(v.name)
+        if ps is not None:
+            if v.role is Role.PARAM and ps.sync:
+                ctx.env[v.name] = ctx.emit(C.grad_sync, (ctx.env[v.name], ps.sync))
+            if ps.rows:
+                ctx.env[v.name] = ctx.emit(C.all_gather_param, (ctx.env[v.name], ps.rows, ps.group, ps.dtype,
+                                                                ps.reduce_dtype))
+            continue
         if v.role is Role.PARAM:
             ctx.env[v.name] = ctx.emit(C.grad_sync, (ctx.env[v.name], mesh.grad_groups))
         if ctx.wants_shard(v):
@@ -167,5 +185,6 @@ def shard_graph(graph: Graph, mesh: MeshInfo, *, in_specs=None, keep_sharded=())
             # every rank returns the whole value: its grad seed is this rank's share (collectives.py)
             new = ctx.emit(C.grad_scale, (new, 1.0 / (mesh.sp_size * mesh.dp_size)))
         outputs.append(new)
-    return dce(graph.replace(inputs=tuple(new_inputs), eqns=tuple(ctx.eqns), outputs=tuple(outputs),
-                             consts=tuple(new_consts), name="shard"))
+    local = dce(graph.replace(inputs=tuple(new_inputs), eqns=tuple(ctx.eqns), outputs=tuple(outputs),
+                              consts=tuple(new_consts), name="shard"))
+    return schedule_gathers(local) if params else local
