@@ -84,7 +84,8 @@ def _bytes(vs) -> int:
 
 def eqn_cost(e: Eqn, device: Device) -> Cost:
     if e.op.has(Tag.COLLECTIVE) or e.op.name in ("all_to_all", "all_reduce_sum", "all_gather_seq"):
-        moved = _bytes(e.outputs)
+        # the whole tensor crosses the links: a gather's output, a reduce-scatter's input
+        moved = _bytes(e.inputs) if e.op.name == "reduce_scatter_param" else _bytes(e.outputs)
         return Cost(0, device.latency + moved / device.link_bw)
     f = flops(e)
     moved = _bytes(e.inputs) + _bytes(e.outputs)

@@ -43,7 +43,39 @@ WORKSPACE = {
     "all_gather_seq": lambda e: 2 * _bytes_out(e),     # every rank's chunk, then their concatenation
     "shard_slice": lambda e: 2 * _bytes_out(e),        # the padded chunk before its clone
     "unshard_grad": lambda e: _bytes_out(e),
+    "all_gather_param": lambda e: _gather_param(e),
+    "reduce_scatter_param": lambda e: _reduce_scatter_param(e),
 }
+
+
+def _ranks(e: Eqn, group_pos: int, chunk: int, rows: int) -> int:
+    """The size of a collective's group; estimated from its rows where the group is not at hand."""
+    from autosp.collectives import group_size
+    try:
+        return group_size(e.var_args()[0][group_pos])
+    except Exception:  # noqa: BLE001 - a graph printed or planned away from its process group
+        return -(-rows // max(chunk, 1))
+
+
+def _gather_param(e: Eqn) -> int:
+    # the shard cast to the compute dtype, then every rank's padded shard; the output is that buffer
+    # itself when no padding is dropped, else a copy of its first `rows`
+    x, out = e.inputs[0], e.outputs[0]
+    rows = out.shape[0]
+    p = _ranks(e, 2, x.shape[0], rows)
+    cast = x.numel() * out.dtype.itemsize if out.dtype != x.dtype else 0
+    padded = p * x.shape[0]
+    return cast + (nbytes(out) * padded // max(rows, 1) if padded != rows else 0)
+
+
+def _reduce_scatter_param(e: Eqn) -> int:
+    # the padded whole gradient in the reduction dtype, and the reduced shard before its cast
+    g, out = e.inputs[0], e.outputs[0]
+    args = e.var_args()[0]
+    chunk, reduce_dtype = out.shape[0], args[3]
+    p = _ranks(e, 2, chunk, g.shape[0])
+    per_row = reduce_dtype.itemsize * (g.numel() // max(g.shape[0], 1))
+    return p * chunk * per_row + (chunk * per_row if reduce_dtype != out.dtype else 0)
 
 
 def _cpu_flash_split(q_len: int, kv_len: int) -> tuple[int, int]:
