@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 
@@ -13,11 +14,11 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from autosp.errors import AutospError
+from autosp.errors import AutospError, TraceError
 from autosp.ir.core import Graph
 from autosp.ir.lower import lower
 from autosp.ir.verify import verify
-from autosp.params import is_dtensor, keep_policy, local_input, mixed_precision, param_shard, stand_in
+from autosp.params import fsdp_hooks_off, is_dtensor, keep_policy, local_input, mixed_precision, param_shard, stand_in
 from autosp.passes.functionalize import functionalize
 from autosp.passes.shard import shard_graph
 from autosp.passes.shard_ctx import MeshInfo
@@ -55,6 +56,7 @@ class Sharded:
             from autosp.remat.plan import parse_budget
             parse_budget(memory_budget)         # a bad budget fails here, not at the first call
         self.info = mesh_info(mesh)
+        self.trace_context = contextlib.nullcontext     # what the trace runs under (ShardedModule: FSDP hooks off)
         self._cache: dict = {}
         self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", "sharded")
@@ -116,7 +118,16 @@ class Sharded:
             leaves, spec = pytree.tree_flatten(args)
             traced = pytree.tree_unflatten([stand_in(x, ps, mode) if is_dtensor(x) else x
                                             for x, ps in zip(leaves, shards)], spec)
-        graph = functionalize(trace(self.fn, *traced))
+        try:
+            with self.trace_context():
+                graph = functionalize(trace(self.fn, *traced))
+        except TraceError as exc:
+            if traced is args or self.trace_context is not contextlib.nullcontext:
+                raise
+            raise TraceError(f"{exc}\n  The arguments hold DTensor parameters: if the function calls a module wrapped "
+                             "by torch's fully_shard, FSDP's hooks ran while autosp traced it. Fix: "
+                             "autosp.compile(model, mesh) (which holds them back), or shard the parameters with "
+                             "autosp.shard_params(model, mesh) instead of fully_shard.") from None
         tensors = [ps for x, ps in zip(pytree.tree_leaves(args), shards) if isinstance(x, torch.Tensor)]
         params = {v.name: ps for v, ps in zip(graph.inputs, tensors) if ps is not None}
         specs = _flat_specs(self.in_specs, args, graph)
@@ -247,6 +258,8 @@ class ShardedModule(torch.nn.Module):
         self.module = module
         self._step = shard(self._call, mesh, in_specs=in_specs, out_specs=out_specs, memory_budget=memory_budget,
                            host_bandwidth=host_bandwidth)
+        # a module wrapped by torch's fully_shard: its parameters are read as DTensors, its hooks not run
+        self._step.trace_context = lambda: fsdp_hooks_off(module)
 
     def _call(self, params, args, kwargs):
         return torch.func.functional_call(self.module, params, args, kwargs)

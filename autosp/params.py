@@ -17,6 +17,7 @@ the gradient is summed in (default: the shard's dtype, fp32 for fp32 masters).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -163,3 +164,24 @@ def stand_in(x, ps: ParamShard | None, mode):
     with mode:
         t = torch.empty(tuple(x.shape), dtype=dtype, device=x.to_local().device)
     return t.requires_grad_(x.requires_grad)
+
+
+@contextlib.contextmanager
+def fsdp_hooks_off(module: nn.Module):
+    """Trace a module wrapped by torch's fully_shard without its FSDP hooks: they would all-gather the
+    real shards and swap them in, while autosp gathers inside the traced program (the DTensor
+    parameters are read as they are). Only FSDP's own hooks (bound to its state) are held back, and
+    only while the step is traced; the module is left as it was."""
+    held = []
+    for m in module.modules():
+        for table in (m._forward_pre_hooks, m._forward_hooks):
+            for key, hook in list(table.items()):
+                owner = getattr(hook, "__self__", None)
+                if owner is not None and type(owner).__name__ == "FSDPState":
+                    held.append((table, key, hook))
+                    del table[key]
+    try:
+        yield
+    finally:
+        for table, key, hook in held:
+            table[key] = hook

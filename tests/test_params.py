@@ -286,3 +286,39 @@ def test_mixed_precision_gathers_and_computes_in_bf16(reduce_dtype):
     # bf16's unit roundoff is 2^-8 = 3.9e-3: the sharded step and the single device round in different
     # places (measured worst, relative to each tensor's largest entry: 4.6e-3 reducing in fp32, 7.8e-3 in bf16)
     assert_every_rank([{"bf16": e} for e in run_ranks(_mixed_precision_job, 2, reduce_dtype)], rtol=1e-2)
+
+
+def _module_job(rank, world, how):
+    """autosp.compile on a module whose parameters are DTensors: sharded by autosp.shard_params in place,
+    or by torch's own fully_shard per layer (its hooks are not run; autosp gathers); .grad are DTensors."""
+    import autosp
+    from torch.distributed.tensor import DTensor
+    from tests.models import batch, llama_loss, params_of, tiny_llama
+    mesh = _mesh(world, (world,))
+    torch.manual_seed(0)
+    model = tiny_llama(vocab=64)
+    ids, labels = batch(2, 40, 64, seed=1, pad=3)
+    ref_loss, ref_grads = reference(llama_loss(model), params_of(model), ids, labels)
+    if how == "fully_shard":
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        assert autosp.shard_params(model, mesh) is model
+    if how == "function":                     # the function API on a fully_shard model: a clear error
+        from torch.distributed.fsdp import fully_shard
+        fsdp = tiny_llama(vocab=64)
+        fully_shard(fsdp, mesh=mesh)
+        with pytest.raises(autosp.AutospError, match="fully_shard"):
+            autosp.value_and_grad(llama_loss(fsdp), mesh)(dict(fsdp.named_parameters()), ids, labels)
+    out = autosp.compile(model, mesh)(ids, labels=labels)
+    out.loss.backward()
+    assert all(isinstance(p.grad, DTensor) and p.grad.placements == p.placements for p in model.parameters())
+    return {how: rank_errors(out.loss.detach(), {k: p.grad.full_tensor() for k, p in model.named_parameters()},
+                             ref_loss, ref_grads)}
+
+
+@pytest.mark.parametrize("how", ["shard_params", "fully_shard", "function"])
+def test_compile_a_module_with_sharded_parameters(how):
+    assert_every_rank(run_ranks(_module_job, 2, how))
