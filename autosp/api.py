@@ -143,10 +143,10 @@ class Sharded:
         hit = self._cache.get(key)
         if hit is None:
             self._check_args(args)
+            shards = self._param_shards(args)          # a DTensor autosp cannot read fails here, on every rank
             paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(args)[0]]
             self._agree(key[1], leaves, paths)
             _, local = self.graphs(*args)
-            shards = self._param_shards(args)
             if self.memory_budget is None:
                 hit = (local, lower(local), None, shards)
             else:
@@ -308,16 +308,59 @@ def explain(fn, mesh, *args, in_specs=None, memory_budget=None, host_bandwidth=N
     if memory_budget is not None and args:
         args = (_differentiable(args[0]),) + tuple(args[1:])
     graph, local = Sharded(fn, mesh, in_specs).graphs(*args)
-    colls = [e for e in local.eqns if e.op.name in ("all_to_all", "all_reduce_sum", "all_gather_seq")]
+    colls = [e for e in local.eqns if e.op.name in ("all_to_all", "all_reduce_sum", "all_gather_seq",
+                                                     "all_gather_param")]
     head = (f"# autosp.explain: sp={mesh_info(mesh).sp_size}, {len(graph.eqns)} global equations -> "
             f"{len(local.eqns)} per-rank, collectives: "
             + ", ".join(f"{n}x{sum(e.op.name == n for e in colls)}" for n in sorted({e.op.name for e in colls})))
-    parts = [head, attention_summary(local, _device_of(args)), str(graph), str(local)]
+    parts = [head, attention_summary(local, _device_of(args))]
+    state = model_state_summary(local)
+    if state:
+        parts.append(state)
+    parts += [str(graph), str(local)]
     if memory_budget is not None:
         from autosp.remat import plan_step
         plan, program, _, _ = plan_step(local, memory_budget, device=_device_of(args), host_bandwidth=host_bandwidth)
         parts += [str(plan), str(program.forward), str(program.backward)]
     return "\n\n".join(parts)
+
+
+def model_state_summary(local: Graph) -> str:
+    """One line per sharded parameter of the per-rank program: its shard, what the gather moves and where
+    it is issued, and the gradient's reduce-scatter ("" when no parameter is sharded)."""
+    from autosp.ir.core import dtype_short
+    eqns = list(local.eqns)
+    gathers = [(i, e) for i, e in enumerate(eqns) if e.op.name == "all_gather_param"]
+    if not gathers:
+        return ""
+    first = {}
+    for i, e in enumerate(eqns):
+        for x in e.inputs:
+            first.setdefault(x.name, i)
+    lines = ["# model state: parameters sharded on dim 0, gathered before use, gradients reduce-scattered"]
+    total_in = total_out = 0
+    for i, e in gathers:
+        x, out = e.inputs[0], e.outputs[0]
+        args = e.var_args()[0]
+        rows, reduce_dtype = args[1], args[4]
+        grad = out.numel() * reduce_dtype.itemsize
+        total_in += out.nbytes()
+        total_out += grad
+        use = first.get(out.name)
+        lines.append(f"  {x.name}: shard {x.type_str()} -> all_gather_param {out.type_str()} "
+                     f"({_fmt_bytes(out.nbytes())}) at equation {i}, first used at {use}; gradient reduce_scatter_param "
+                     f"{_fmt_bytes(grad)} in {dtype_short(reduce_dtype)}")
+    lines.append(f"  per step and rank: {len(gathers)} gathers ({_fmt_bytes(total_in)} gathered), {len(gathers)} "
+                 f"reduce-scatters ({_fmt_bytes(total_out)} reduced); a gathered copy the backward needs is saved or "
+                 "gathered again, as the remat plan chooses")
+    return "\n".join(lines)
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
 
 
 def attention_summary(local: Graph, device: str) -> str:

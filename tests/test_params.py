@@ -322,3 +322,43 @@ def _module_job(rank, world, how):
 @pytest.mark.parametrize("how", ["shard_params", "fully_shard", "function"])
 def test_compile_a_module_with_sharded_parameters(how):
     assert_every_rank(run_ranks(_module_job, 2, how))
+
+
+def _explain_and_errors_job(rank, world):
+    import autosp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = _mesh(world, (world,))
+    fn, params, args = _case("llama_tied", 32)
+    sharded = autosp.shard_params(params, mesh)
+    text = autosp.explain(fn, mesh, sharded, *args, memory_budget=0.8)
+    errors = []
+    # a parameter split on another dim, and one over fewer ranks than the step's mesh: each refused clearly
+    bad = dict(sharded)
+    bad["extra"] = distribute_tensor(params["extra"], mesh, [Shard(1)])
+    try:
+        autosp.value_and_grad(fn, mesh)(bad, *args)
+    except autosp.AutospError as exc:
+        errors.append(str(exc))
+    half = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("a", "b"))
+    bad["extra"] = distribute_tensor(params["extra"], half["b"], [Shard(0)])
+    try:
+        autosp.value_and_grad(fn, mesh)(bad, *args)
+    except autosp.AutospError as exc:
+        errors.append(str(exc))
+    try:
+        autosp.shard_params(sharded, mesh)
+    except autosp.AutospError as exc:
+        errors.append(str(exc))
+    return text, errors
+
+
+def test_explain_shows_gathers_and_errors_name_the_parameter():
+    text, errors = run_ranks(_explain_and_errors_job, 4)[0]
+    assert "# model state" in text and "all_gather_param" in text and "reduce_scatter_param" in text
+    assert "p.model.embed_tokens.weight: shard f32[17,32] -> all_gather_param f32[67,32]" in text, text[:3000]
+    assert "21 gathers" in text
+    assert len(errors) == 3, errors
+    assert "extra" in errors[0] and "Shard(dim=1)" in errors[0] and "Fix:" in errors[0]
+    assert "extra" in errors[1] and "2 ranks" in errors[1] and "4 ranks" in errors[1] and "Fix:" in errors[1]
+    assert "already a DTensor" in errors[2] and "Fix:" in errors[2]
