@@ -39,7 +39,9 @@ def mesh_info(mesh) -> MeshInfo:
         raise AutospError(f"autosp: mesh axes {extra} are not understood (only 'dp' and 'sp'). "
                           "Fix: build the mesh with mesh_dim_names=('dp', 'sp') or ('sp',).")
     sp = mesh.get_group("sp")
-    info = MeshInfo(sp_size=dist.get_world_size(sp), sp_group=sp.group_name)
+    rows = mesh.mesh.movedim(names.index("sp"), -1).reshape(-1, mesh.size(names.index("sp"))).tolist()
+    info = MeshInfo(sp_size=dist.get_world_size(sp), sp_group=sp.group_name,
+                    sp_ranks=tuple(tuple(int(r) for r in row) for row in rows))
     if "dp" in names:
         dp = mesh.get_group("dp")
         info.dp_size, info.dp_group = dist.get_world_size(dp), dp.group_name
@@ -49,13 +51,14 @@ def mesh_info(mesh) -> MeshInfo:
 class Sharded:
     """fn made sequence-parallel; compiled once per input signature (shapes, dtypes, mesh)."""
 
-    def __init__(self, fn, mesh, in_specs=None, out_specs=None, memory_budget=None, host_bandwidth=None):
+    def __init__(self, fn, mesh, in_specs=None, out_specs=None, memory_budget=None, host_bandwidth=None, ring=None):
         self.fn, self.mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
         self.memory_budget, self.host_bandwidth = memory_budget, host_bandwidth
         if memory_budget is not None:
             from autosp.remat.plan import parse_budget
             parse_budget(memory_budget)         # a bad budget fails here, not at the first call
         self.info = mesh_info(mesh)
+        self.info.ring = ring
         self.trace_context = contextlib.nullcontext     # what the trace runs under (ShardedModule: FSDP hooks off)
         self._cache: dict = {}
         self.__wrapped__ = fn
@@ -216,24 +219,26 @@ def _keep_sharded(out_specs, graph: Graph) -> set[int]:
     return {i for i, s in enumerate(specs) if isinstance(s, str) and "sp" in s}
 
 
-def shard(fn=None, mesh=None, *, in_specs=None, out_specs=None, memory_budget=None, host_bandwidth=None):
+def shard(fn=None, mesh=None, *, in_specs=None, out_specs=None, memory_budget=None, host_bandwidth=None, ring=None):
     """fn's sequence-parallel twin over mesh's 'sp' axis; also usable as @shard(mesh=mesh).
 
     memory_budget: None (save what autograd saves), a fraction of that step's peak (0.3), or
     bytes per rank (an int, '20GiB'): the remat plan then saves, recomputes or offloads each
     activation to fit. host_bandwidth (bytes/s) lets the plan offload to host memory.
+    ring: attention over sp = U x R ranks runs an all-to-all over U and ring attention over R = `ring`;
+    None lets autosp factorise (the largest U that divides the query heads; a ring only where heads run out).
     """
     if fn is None:
-        return lambda f: Sharded(f, mesh, in_specs, out_specs, memory_budget, host_bandwidth)
+        return lambda f: Sharded(f, mesh, in_specs, out_specs, memory_budget, host_bandwidth, ring)
     if mesh is None:
         raise AutospError("autosp.shard: no mesh given. Fix: autosp.shard(fn, mesh) or @autosp.shard(mesh=mesh).")
-    return Sharded(fn, mesh, in_specs, out_specs, memory_budget, host_bandwidth)
+    return Sharded(fn, mesh, in_specs, out_specs, memory_budget, host_bandwidth, ring)
 
 
-def value_and_grad(fn, mesh, *, in_specs=None, out_specs=None, memory_budget=None, host_bandwidth=None):
+def value_and_grad(fn, mesh, *, in_specs=None, out_specs=None, memory_budget=None, host_bandwidth=None, ring=None):
     """JAX-style: (loss, grads of the first argument), both the single-device values on every sp rank."""
     step = shard(fn, mesh, in_specs=in_specs, out_specs=out_specs, memory_budget=memory_budget,
-                 host_bandwidth=host_bandwidth)
+                 host_bandwidth=host_bandwidth, ring=ring)
 
     def run(params, *rest):
         params = _differentiable(params)
@@ -287,7 +292,8 @@ def _device_of(args) -> str:
     return next((k for k in kinds if k != "meta"), "cpu")
 
 
-def plan(fn, mesh, *args, memory_budget=None, in_specs=None, host_bandwidth=None, device: str | None = None):
+def plan(fn, mesh, *args, memory_budget=None, in_specs=None, host_bandwidth=None, device: str | None = None,
+         ring=None):
     """The remat plan of value_and_grad(fn, mesh, memory_budget=...) on these arguments; runs nothing.
 
     Arguments may be meta tensors. The gradient is taken w.r.t. the first argument, as in
@@ -297,17 +303,17 @@ def plan(fn, mesh, *args, memory_budget=None, in_specs=None, host_bandwidth=None
     if not args:
         raise AutospError("autosp.plan: no arguments. Fix: autosp.plan(fn, mesh, params, *batch, memory_budget=0.3).")
     args = (_differentiable(args[0]),) + tuple(args[1:])
-    _, local = Sharded(fn, mesh, in_specs).graphs(*args)
+    _, local = Sharded(fn, mesh, in_specs, ring=ring).graphs(*args)
     return plan_step(local, memory_budget, device=device or _device_of(args), host_bandwidth=host_bandwidth)[0]
 
 
-def explain(fn, mesh, *args, in_specs=None, memory_budget=None, host_bandwidth=None) -> str:
+def explain(fn, mesh, *args, in_specs=None, memory_budget=None, host_bandwidth=None, ring=None) -> str:
     """The chain printed: the global trace, the per-rank graph with layouts and collectives, and,
     with a memory_budget, the remat plan with its predicted peak (the gradient is taken w.r.t.
     the first argument, as in value_and_grad)."""
     if memory_budget is not None and args:
         args = (_differentiable(args[0]),) + tuple(args[1:])
-    graph, local = Sharded(fn, mesh, in_specs).graphs(*args)
+    graph, local = Sharded(fn, mesh, in_specs, ring=ring).graphs(*args)
     colls = [e for e in local.eqns if e.op.name in ("all_to_all", "all_reduce_sum", "all_gather_seq",
                                                      "all_gather_param")]
     head = (f"# autosp.explain: sp={mesh_info(mesh).sp_size}, {len(graph.eqns)} global equations -> "

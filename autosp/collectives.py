@@ -398,3 +398,27 @@ def _gather_param_backward(ctx, g):
 
 
 all_gather_param.register_autograd(_gather_param_backward, setup_context=_gather_param_setup)
+
+
+# ---------------------------------------------------------------- sub-groups of sp: Ulysses x ring
+
+_SUBGROUPS: dict = {}
+
+
+def ring_groups(sp_ranks: tuple[tuple[int, ...], ...], u: int) -> tuple[str, str]:
+    """(all-to-all group, ring group) names of this rank when each sp group of P ranks is split as
+    P = U x R: the all-to-all groups are U consecutive sp ranks (together they hold a contiguous
+    segment of the sequence), the ring groups the R ranks at the same place in them (ring rank r
+    holds segment r). Created once, on every rank in the same order (new_group is collective)."""
+    key = (sp_ranks, u)
+    if key not in _SUBGROUPS:
+        me, mine = dist.get_rank(), None
+        for ranks in sp_ranks:
+            r = len(ranks) // u
+            ulysses = [dist.new_group(list(ranks[i * u:(i + 1) * u])) for i in range(r)]
+            rings = [dist.new_group(list(ranks[j::u])) for j in range(u)]
+            if me in ranks:
+                at = ranks.index(me)
+                mine = (ulysses[at // u].group_name, rings[at % u].group_name)
+        _SUBGROUPS[key] = mine
+    return _SUBGROUPS[key]

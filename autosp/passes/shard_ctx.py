@@ -26,6 +26,8 @@ class MeshInfo:
     sp_group: str
     dp_size: int = 1
     dp_group: str | None = None
+    sp_ranks: tuple[tuple[int, ...], ...] = ()   # every sp group's global ranks (for sub-groups: the ring)
+    ring: int | None = None                      # ring size R forced by the caller (None: autosp factorises)
 
     @property
     def grad_groups(self) -> tuple[str, ...]:

@@ -269,9 +269,9 @@ def attention_rule(ctx: ShardCtx, e: Eqn) -> None:
             raise ShardError(f"{describe(ctx, e)}: the {name} is not sharded along its sequence dim (-2). "
                              "Fix: pass in_specs naming the sequence dim of the inputs.")
     hq, hkv = q.shape[-3], k.shape[-3]
-    if hq % p:
-        raise ShardError(f"{describe(ctx, e)}: {hq} query heads cannot be split over sp={p} (Ulysses gives each "
-                         f"rank heads/sp heads). Fix: use an sp size that divides {hq}, or {hq + (-hq) % p} heads.")
+    u = ulysses_size(ctx, e, hq)
+    if u < p:                                   # heads run out: all-to-all over u ranks, a ring over p / u
+        return _ring_attention(ctx, e, b, (q, k, v), u, gqa)
     if hkv % p:
         rep = math.lcm(hkv, p) // hkv         # replicate KV heads so that each rank gets whole groups
         k = ctx.emit(aten.repeat_interleave.self_int, (k, rep, k.ndim - 3), source=e.source, layouts=[k.layout])
@@ -312,6 +312,64 @@ def attention_rule(ctx: ShardCtx, e: Eqn) -> None:
     o2 = ctx.emit(e.op.target, (q2, k2, v2), kw, source=e.source)
     (o,) = ctx.emit(C.all_to_all, ([o2], hdim + 1, hdim, ctx.mesh.sp_group), source=e.source,
                     layouts=[Layout(q.ndim - 2, length, q.layout.chunk)])
+    ctx.env[e.outputs[0].name] = o
+
+
+def ulysses_size(ctx: ShardCtx, e: Eqn, heads: int) -> int:
+    """U of sp = U x R: the all-to-all group's size. Forced by `ring=R`; else the largest divisor of the sp
+    size that divides the query heads (an all-to-all moves less than a ring)."""
+    p, ring = ctx.mesh.sp_size, ctx.mesh.ring
+    if ring is not None:
+        if ring < 1 or p % ring:
+            raise ShardError(f"{describe(ctx, e)}: ring={ring} does not divide sp={p}. Fix: a ring size that divides "
+                             f"{p} ({', '.join(str(d) for d in range(1, p + 1) if p % d == 0)}).")
+        u = p // ring
+        if heads % u:
+            raise ShardError(f"{describe(ctx, e)}: ring={ring} leaves an all-to-all over {u} ranks, which {heads} "
+                             f"query heads cannot be split over. Fix: a ring size r with {heads} % ({p} / r) == 0.")
+        return u
+    return max(d for d in range(1, p + 1) if p % d == 0 and heads % d == 0)
+
+
+def _ring_attention(ctx: ShardCtx, e: Eqn, b: dict, qkv, u: int, gqa: bool) -> None:
+    """sp = U x R: Q, K, V all-to-all over the U ranks that hold one contiguous segment of the sequence
+    (`b h (U s) d -> b (U h) s d` within it), then ring attention over the R segments (autosp/ring.py:
+    K/V blocks passed around, partial outputs merged by log-sum-exp), causal work balanced by the zigzag
+    order (each ring rank holds chunks r and 2R-1-r while attention runs), and the inverse all-to-all."""
+    from autosp import ring as RING
+    q, k, v = qkv
+    mask, is_causal = b["attn_mask"], bool(b["is_causal"])
+    if mask is not None and is_causal_mask(ctx.constant_value(mask)):
+        mask, is_causal = None, True                 # HF's causal mask tensor (cache off): never built
+    if mask is not None or b["dropout_p"]:
+        raise ShardError(f"{describe(ctx, e)}: {q.shape[-3]} query heads cannot be split over sp={ctx.mesh.sp_size}, "
+                         "and ring attention (sp = all-to-all x ring) takes causal or unmasked attention without "
+                         "dropout only; this one has "
+                         + ("a mask" if mask is not None else "dropout") + ". Fix: an sp size that divides "
+                         f"the {q.shape[-3]} heads.")
+    if q.ndim != 4:
+        raise ShardError(f"{describe(ctx, e)}: ring attention takes [b, h, s, d] query, key and value, not "
+                         f"{q.type_str()}. Fix: an sp size that divides the {q.shape[-3]} heads.")
+    hkv = k.shape[-3]
+    if hkv % u:
+        rep = math.lcm(hkv, u) // hkv
+        k = ctx.emit(aten.repeat_interleave.self_int, (k, rep, 1), source=e.source, layouts=[k.layout])
+        v = ctx.emit(aten.repeat_interleave.self_int, (v, rep, 1), source=e.source, layouts=[v.layout])
+    ugroup, rgroup = C.ring_groups(ctx.mesh.sp_ranks, u)
+    layout = Layout(2, q.layout.length, q.layout.chunk)
+    if u > 1:
+        q, k, v = ctx.emit(C.all_to_all, ([q, k, v], 1, 2, ugroup), source=e.source)
+    zigzag = is_causal and q.shape[2] % 2 == 0
+    if zigzag:
+        q, k, v = (ctx.emit(RING.zigzag_exchange, (t, 2, rgroup, False), source=e.source) for t in (q, k, v))
+    scale = b["scale"] if b["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
+    last = u == 1 and not zigzag                 # the op whose output is back in the sequence layout
+    o, _ = ctx.emit(RING.ring_attention, (q, k, v, is_causal, float(scale), layout.length, zigzag, rgroup),
+                    source=e.source, layouts=[layout, None] if last else None)
+    if zigzag:
+        o = ctx.emit(RING.zigzag_exchange, (o, 2, rgroup, True), source=e.source, layouts=None if u > 1 else [layout])
+    if u > 1:
+        (o,) = ctx.emit(C.all_to_all, ([o], 2, 1, ugroup), source=e.source, layouts=[layout])
     ctx.env[e.outputs[0].name] = o
 
 
