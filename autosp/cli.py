@@ -129,6 +129,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--offload", action="store_true", help="let the ILP plan offload to host memory (cuda)")
     p.add_argument("--granularity", type=_positive(), default=None,
                    help="report lengths as multiples of this (default sp x 64)")
+    p.add_argument("--no-shard-params", dest="shard_params", action="store_false",
+                   help="count the model state replicated on every rank (default: sharded over the dp x sp ranks "
+                        "as autosp.shard_params / FSDP2 lay it out, fp32 master, gradients and moments)")
+    p.add_argument("--host-memory", default=None, help="host memory per node, counted apart from the device, "
+                   "e.g. 1TiB (default: 1 TiB assumed)")
 
     e = verbs.add_parser("explain", help="the sharded program and its remat plan, with a memory timeline PNG",
                          description="Print the sharded program's summary (layouts, collectives, remat plan) "
@@ -245,7 +250,8 @@ def _worker(a) -> int:
 def _plan(a) -> int:
     from autosp.run.plan import plan_lengths
     print(plan_lengths(a.model, sp=a.sp, dp=a.dp, memory=a.memory, dtype=_DTYPES[a.dtype], optimizer=a.optimizer,
-                       batch=a.batch, device=a.device, offload=a.offload, granularity=a.granularity), flush=True)
+                       batch=a.batch, device=a.device, offload=a.offload, granularity=a.granularity,
+                       shard_params=a.shard_params, host_memory=a.host_memory), flush=True)
     return 0
 
 

@@ -90,6 +90,7 @@ def test_bad_input_exits_2_with_a_fix_and_writes_nothing(model, tmp_path, capsys
         (["plan", "--model", "tiny", "--sp", "2", "--memory", "1GiB", "--granularity", "3"], "a multiple of 2"),
         (["plan", "--model", "llama-3.1-8b", "--sp", "8", "--memory", "1GiB", "--device", "cpu", "--offload"],
          "--device cuda"),
+        (["plan", "--model", "tiny", "--sp", "2", "--memory", "1GiB", "--host-memory", "lots"], "--host-memory lots"),
     ]
     for argv, hint in cases:
         assert main(argv) == 2, argv
@@ -210,21 +211,63 @@ def test_sp2_trains_what_one_device_trains(tmp_path):
 
 # ---------------------------------------------------------------- plan and explain
 
-def test_plan_orders_the_three_configurations(model):
-    from autosp.run.plan import plan_lengths
-    text = plan_lengths(model, sp=2, memory="24MiB", dtype="float32", device="cpu", parallel=False)
-    rows = {line.split("|")[1].strip(): int(line.split("|")[2].replace(",", ""))
+def _rows(text: str) -> dict[str, int]:
+    return {line.split("|")[1].strip(): int(line.split("|")[2].replace(",", ""))
             for line in text.splitlines() if line.startswith("| ") and line.split("|")[2].strip()[:1].isdigit()}
+
+
+def test_plan_orders_the_three_configurations(model):
+    from autosp.run.plan import fmt, plan_lengths
+    text = plan_lengths(model, sp=2, memory="24MiB", dtype="float32", device="cpu", parallel=False)
+    rows = _rows(text)
     assert set(rows) == {"no SP", "SP=2, no remat", "SP=2, ILP plan (save/recompute)"}, text
     assert rows["no SP"] < rows["SP=2, no remat"] <= rows["SP=2, ILP plan (save/recompute)"]
     assert all(v % 128 == 0 for v in rows.values())
     assert "off by 0 bytes" in text                          # the affine model, re-checked by a third trace
+    # sharded by default: the step is traced with the shards, so without remat it gathers every parameter
+    # once and reduce-scatters its gradient once: (P-1) x the fp32 shard each way, at P = 2
+    master = 69_824 * 4 // 2                                 # CONFIG's 69,824 parameters, fp32, over 2 ranks
+    assert "model state per rank (sharded over 2 ranks, dp 1 x sp 2" in text, text
+    assert f"fp32 master parameters {fmt(master)}, fp32 gradients {fmt(master)}" in text, text
+    no_sp = next(line for line in text.splitlines() if line.startswith("| no SP |"))
+    assert f"{fmt(2 * master)} parameter gathers and gradient reduce-scatters" in no_sp, no_sp
+    assert "no separate all-reduce" in text and "host memory per node: 1.00 TiB (assumed" in text
+
+    old = plan_lengths(model, sp=2, memory="24MiB", dtype="float32", device="cpu", parallel=False,
+                       shard_params=False)
+    assert f"model state per rank (replicated over sp and dp): parameters {fmt(2 * master)}," in old, old
+    assert "Gradients are all-reduced over sp by ring" in old and "parameter gathers" not in old
+    assert set(_rows(old)) == set(rows)
 
 
-def test_plan_says_when_the_model_state_alone_does_not_fit(capsys):
-    assert main(["plan", "--model", "llama-3.1-8b", "--sp", "8", "--memory", "80GiB"]) == 0
+def test_plan_shards_the_model_state_over_the_ranks(capsys):
+    # 8B over 8 ranks: (4 master + 4 gradient + 8 AdamW moments) bytes per parameter / 8. The memory is too
+    # small for that, so the command answers from the model state at once.
+    assert main(["plan", "--model", "llama-3.1-8b", "--sp", "4", "--dp", "2", "--memory", "10GiB"]) == 0
     out = capsys.readouterr().out
+    assert ("model state per rank (sharded over 8 ranks, dp 2 x sp 4: Shard(0) as FSDP2 lays it out, mixed "
+            "precision): fp32 master parameters 3.74 GiB, fp32 gradients 3.74 GiB (counted in the step's peak), "
+            "adamw 2 fp32 moments 7.48 GiB = 14.96 GiB: 4 master + 4 gradient + 8 moments bytes per parameter over "
+            "8 ranks; the bfloat16 compute copy (2 bytes per parameter, 14.96 GiB for the whole model)") in out, out
+    assert "the model state alone needs 14.96 GiB, 4.96 GiB more than the 10.00 GiB per rank" in out
+    assert "Fix: more ranks to shard it over (--dp)" in out
+    assert main(["plan", "--model", "llama-3.1-8b", "--sp", "8", "--memory", "5GiB", "--optimizer", "sgd"]) == 0
+    out = capsys.readouterr().out
+    assert "fp32 gradients 3.74 GiB (counted in the step's peak), sgd no state = 7.48 GiB" in out, out
+    assert "host memory per node: 1.00 TiB (assumed; pass --host-memory)" in out
+    from autosp.run.plan import _host_line          # what the ILP plan offloads, per node, against --host-memory
+    line = _host_line(2**30, True, 16, True, 200 * 2**20)
+    assert "200.00 MiB per rank of activations offloaded by the ILP plan, 1.56 GiB per node at 8 ranks" in line
+    assert "576.00 MiB more than the node has. Fix: --host-memory" in line, line
+
+
+def test_plan_without_sharding_says_when_the_model_state_alone_does_not_fit(capsys):
+    assert main(["plan", "--model", "llama-3.1-8b", "--sp", "8", "--memory", "80GiB", "--no-shard-params"]) == 0
+    out = capsys.readouterr().out
+    assert ("model state per rank (replicated over sp and dp): parameters 14.96 GiB, gradients 14.96 GiB (counted "
+            "in the step's peak), adamw 2 fp32 moments 59.83 GiB = 89.75 GiB") in out, out
     assert "the model state alone needs 89.75 GiB, 9.75 GiB more than the 80.00 GiB per rank" in out
+    assert "Fix: leave out --no-shard-params (sharded over the 8 ranks: about 14.96 GiB per rank)" in out
 
 
 def test_explain_prints_the_plan_and_writes_the_timeline(model, tmp_path, capsys):

@@ -1,13 +1,21 @@
 """`autosp plan`: the longest sequence each rank can train, from the memory model; nothing runs.
 
 For a model, a mesh (sp, dp) and a memory size per rank it answers for three configurations:
-no sequence parallelism (the single-device program on every rank), SP without remat, and SP with
+no sequence parallelism (every sequence whole on every rank), SP without remat, and SP with
 autosp's ILP plan (save / recompute, and offload under the GPU cost model). Per rank it counts:
 
-    parameters + optimizer state        replicated over sp and dp (autosp does not shard them)
-    + the step's peak                   activations, temporaries, collective buffers and the
-                                        parameters' gradients, from the liveness model of the
-                                        joint forward + backward program (autosp.remat)
+    fp32 master parameters + moments    sharded over all dp x sp ranks (autosp.shard_params, FSDP2's
+                                        layout and mixed precision); --no-shard-params: parameters
+                                        in the compute dtype and the moments replicated on every rank
+    + the step's peak                   activations, temporaries, collective buffers, the gathered
+                                        compute copies of the parameters and the parameters'
+                                        gradients (or gradient shards), from the liveness model of
+                                        the joint forward + backward program (autosp.remat), traced
+                                        with the parameters as they are laid out: sharded, the
+                                        program gathers them (all_gather_param) and reduce-scatters
+                                        their gradients (reduce_scatter_param)
+
+Host memory (per node) is counted apart: only what the ILP plan offloads goes there.
 
 How the length is found without tracing at every candidate length: every value of the program is
 either independent of the sequence length L or proportional to it, and the executed order does not
@@ -33,8 +41,10 @@ from autosp.errors import AutospError
 from autosp.run.meshes import fake_world, planning_mesh
 from autosp.run.models import build_model, count_parameters, describe, model_config
 
-_OPT_BYTES = {"adamw": 8, "sgd": 0}          # optimizer state per parameter: AdamW's 2 fp32 moments
-_COLLECTIVES = ("all_to_all", "all_reduce_sum", "all_gather_seq")
+_MOMENTS = {"adamw": 2, "sgd": 0}            # fp32 optimizer moments per parameter
+_HOST_MEMORY = 2**40                        # host memory per node when --host-memory is not given
+_RANKS_PER_NODE = 8                         # what the host line assumes (an 8-GPU node)
+_COLLECTIVES = ("all_to_all", "all_reduce_sum", "all_gather_seq", "all_gather_param", "reduce_scatter_param")
 
 
 def fmt(n: float) -> str:
@@ -46,14 +56,16 @@ def fmt(n: float) -> str:
     return f"{int(n)} B"
 
 
-def parse_memory(text: str) -> int:
+def parse_memory(text: str, flag: str = "--memory") -> int:
     from autosp.remat import parse_budget
     try:
         kind, value = parse_budget(text)
     except AutospError:
         kind = None
     if kind != "bytes":
-        raise AutospError(f"--memory {text}: not a size. Fix: write the memory per rank like 80GiB, 141GB or 24e9.")
+        what = "the memory per rank like 80GiB, 141GB or 24e9" if flag == "--memory" else \
+            "the host memory per node like 1TiB, 2TB or 1e12"
+        raise AutospError(f"{flag} {text}: not a size. Fix: write {what}.")
     return int(value)
 
 
@@ -61,31 +73,61 @@ def parse_memory(text: str) -> int:
 
 @dataclass
 class Programs:
-    """A model traced and sharded at one length: its global (no SP) and per-rank (SP) graphs."""
+    """A model traced and sharded at one length: its global graph, the per-rank (SP) graph, and the
+    program of the no-SP configuration (the global graph, or with sharded parameters the per-rank
+    graph on a dp = all ranks, sp = 1 mesh: the parameters gathered, the sequence whole)."""
     length: int
     graph: object
     local: object
+    single: object | None
 
 
 class Tracer:
-    """Meta traces of one model on one planning mesh, at any length."""
+    """Meta traces of one model on one planning mesh, at any length. `shard_params`: the parameters
+    are fp32 master shards over every rank of the mesh (autosp.shard_params, FSDP2's layout), gathered
+    in `dtype` and their gradients reduce-scattered in fp32; else replicated in `dtype`."""
 
-    def __init__(self, spec, mesh, dtype, batch: int, sp: int):
+    def __init__(self, spec, mesh, dtype, batch: int, sp: int, *, shard_params: bool = False):
+        import autosp
+        from autosp.api import mesh_info
         self.sp = sp
-        self.model = build_model(spec, device="meta", dtype=dtype)
-        self.params = {k: v.detach().requires_grad_(True) for k, v in self.model.named_parameters()}
+        self.sharded = shard_params
+        self.model = build_model(spec, device="meta", dtype=torch.float32 if shard_params else dtype)
+        params = {k: v.detach().requires_grad_(True) for k, v in self.model.named_parameters()}
         self.mesh, self.batch = mesh, batch
-        self.param_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
         self.n_params = count_parameters(self.model)
+        self.single_mesh = None
+        if shard_params:
+            params = autosp.shard_params(params, mesh, param_dtype=None if dtype == torch.float32 else dtype,
+                                         reduce_dtype=torch.float32)
+            self.ranks = mesh.size()
+            self.single_mesh = mesh if mesh_info(mesh).sp_size == 1 else planning_mesh(1, self.ranks)
+            local = [p.to_local() for p in params.values()]    # rank 0's: the fullest (chunk rows)
+            self.param_bytes = sum(t.numel() * t.element_size() for t in local)
+            self.compute_bytes = self.n_params * dtype.itemsize  # the gathered copy of the whole model
+        else:
+            self.ranks = 1
+            self.param_bytes = sum(p.numel() * p.element_size() for p in params.values())
+            self.compute_bytes = self.param_bytes
+        self.params = params
 
     def loss_fn(self, params, input_ids, labels):
         return torch.func.functional_call(self.model, params, (input_ids,), {"labels": labels}).loss
 
-    def trace(self, length: int) -> Programs:
+    def trace(self, length: int, single: bool = True) -> Programs:
+        """The programs at `length`; single=False: without the no-SP program where it takes another
+        trace (sharded parameters: None in its place)."""
         import autosp
         ids = torch.zeros(self.batch, length, dtype=torch.long, device="meta")
         graph, local = autosp.shard(self.loss_fn, self.mesh).graphs(self.params, ids, ids)
-        return Programs(length, graph, local)
+        single_program = None
+        if not self.sharded:
+            single_program = graph
+        elif self.single_mesh is self.mesh:
+            single_program = local
+        elif single:
+            single_program = autosp.shard(self.loss_fn, self.single_mesh).graphs(self.params, ids, ids)[1]
+        return Programs(length, graph, local, single_program)
 
 
 def _step(graph, budget, device: str, offload: bool = False, refine: bool = True):
@@ -120,10 +162,10 @@ class Probe:
 def probe(tracer, length: int, device: str, offload: bool) -> Probe:
     p = tracer.trace(length)
     profiles = {}
-    for key, graph, ranks in (("nosp", p.graph, 1), ("sp", p.local, tracer.sp)):
+    for key, graph in (("nosp", p.single), ("sp", p.local)):
         _, program = _step(graph, None, device)
         values, shape = _profile(program, device)
-        profiles[key] = (values, shape, comm_bytes(program, ranks))
+        profiles[key] = (values, shape, comm_bytes(program))
     return Probe(length, profiles, _step(p.local, "least", device, offload, refine=False)[0].peak_bytes)
 
 
@@ -166,21 +208,33 @@ def _both(first, second, parallel: bool = True):
     return a, b
 
 
-def comm_bytes(program, sp: int) -> int:
-    """Bytes each rank sends in the step's collectives: all-to-all (P-1)/P of its input, ring
-    all-reduce 2(P-1)/P, all-gather (P-1) times its chunk (recomputed collectives included)."""
-    if sp <= 1:
-        return 0
-    total = 0.0
+def comm_bytes(program) -> tuple[int, int]:
+    """Bytes each rank sends in the step's collectives (recomputed ones included), by the size P of
+    each one's group, as (the sequence's, the parameters'): all-to-all (P-1)/P of its input, ring
+    all-reduce 2(P-1)/P, all-gather of the sequence (P-1) times its chunk; a parameter's gather (P-1)
+    times its shard in the gathered dtype, its gradient's reduce-scatter (P-1)/P of the reduce_dtype
+    buffer it sums (P shards). Needs the planning world (group sizes by name)."""
+    from autosp.collectives import group_size
+    seq = par = 0.0
     for g in (program.forward, program.backward):
         for e in g.eqns:
             name = e.op.name.split(".")[0]
             if name not in _COLLECTIVES:
                 continue
-            size = sum(v.nbytes() for v in e.inputs)
-            total += {"all_to_all": (sp - 1) / sp, "all_reduce_sum": 2 * (sp - 1) / sp,
-                      "all_gather_seq": sp - 1}[name] * size
-    return int(total)
+            args = e.bind_schema()
+            p = group_size(args["group_name"])
+            if p <= 1:
+                continue
+            if name == "all_gather_param":
+                par += (p - 1) * e.inputs[0].numel() * args["dtype"].itemsize
+            elif name == "reduce_scatter_param":
+                inner = math.prod(e.inputs[0].shape[1:])
+                par += (p - 1) * args["chunk"] * inner * args["reduce_dtype"].itemsize
+            else:
+                size = sum(v.nbytes() for v in e.inputs)
+                seq += {"all_to_all": (p - 1) / p, "all_reduce_sum": 2 * (p - 1) / p,
+                        "all_gather_seq": p - 1}[name] * size
+    return int(seq), int(par)
 
 
 def ring_allreduce_bytes(nbytes: int, n: int) -> int:
@@ -233,7 +287,7 @@ class Row:
     name: str
     length: int
     peak: float | None              # the step's peak at that length (per rank)
-    comm: int | None
+    comm: tuple[int, int] | None    # bytes sent per rank: (sequence collectives, parameter collectives)
     note: str = ""
 
 
@@ -242,13 +296,69 @@ def _line(a: float, l1: int, b: float, l2: int):
     return Affine.fit(l1, np.array([a], dtype=np.float64), l2, np.array([b], dtype=np.float64))
 
 
+
+
+@dataclass
+class ModelState:
+    """The model state one rank holds through the step (bytes), and how it is laid out."""
+    params: int                     # replicated: the parameters in the compute dtype; sharded: the fp32 master shard
+    grads: int                      # the parameters' gradients (or gradient shard): in the step's peak
+    moments: int                    # the optimizer's
+    ranks: int                      # the ranks it is sharded over (1: replicated)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.moments
+
+
+def model_state(tracer, optimizer: str) -> ModelState:
+    """Replicated: parameters and gradients in the compute dtype and fp32 moments on every rank. Sharded
+    (FSDP2 mixed precision, autosp.shard_params): every rank keeps 1/N of the fp32 master parameters,
+    of their fp32 gradients (what reduce_scatter_param returns) and of the fp32 moments; the compute copy
+    is gathered by the step (in its peak)."""
+    moments = _MOMENTS[optimizer] * (tracer.param_bytes if tracer.sharded else 4 * tracer.n_params)
+    return ModelState(tracer.param_bytes, tracer.param_bytes, moments, tracer.ranks)
+
+
+def _state_line(st: ModelState, tracer, optimizer: str, dtype: str, dp: int, sp: int) -> str:
+    opt = f"{optimizer} {_MOMENTS[optimizer]} fp32 moments {fmt(st.moments)}" if st.moments else f"{optimizer} no state"
+    if st.ranks == 1:
+        return (f"model state per rank (replicated over sp and dp): parameters {fmt(st.params)}, gradients "
+                f"{fmt(st.grads)} (counted in the step's peak), {opt} = {fmt(st.total)}")
+    per = "4 master + 4 gradient" + (f" + {4 * _MOMENTS[optimizer]} moments" if _MOMENTS[optimizer] else "")
+    copy = getattr(torch, dtype).itemsize
+    mixed = ", mixed precision" if copy < 4 else ""
+    return (f"model state per rank (sharded over {st.ranks} ranks, dp {dp} x sp {sp}: Shard(0) as FSDP2 lays it out"
+            f"{mixed}): fp32 master parameters {fmt(st.params)}, fp32 gradients {fmt(st.grads)} (counted "
+            f"in the step's peak), {opt} = {fmt(st.total)}: {per} bytes per parameter over {st.ranks} ranks; the "
+            f"{dtype} compute copy ({copy} bytes per parameter, {fmt(tracer.compute_bytes)} for the whole model) "
+            "is gathered a layer ahead by the step and counted in its peak")
+
+
+def _host_line(host: int, given: bool, world: int, offload: bool, offloaded: int | None) -> str:
+    per_node = min(world, _RANKS_PER_NODE)
+    head = (f"host memory per node: {fmt(host)} ({'--host-memory' if given else 'assumed; pass --host-memory'}), "
+            "counted apart from the device memory; planned on the host: ")
+    if not offloaded:
+        why = ("--offload lets the ILP plan move activations there" if not offload else
+               "no ILP plan was made" if offloaded is None else "the ILP plan offloads nothing at its length")
+        return head + f"nothing (the model state and the step stay on the device; {why})"
+    need = offloaded * per_node
+    return (head + f"{fmt(offloaded)} per rank of activations offloaded by the ILP plan, {fmt(need)} per node at "
+            f"{per_node} ranks per node (assumed: min(ranks, {_RANKS_PER_NODE}))"
+            + ("" if need <= host else f": {fmt(need - host)} more than the node has. Fix: --host-memory with the "
+               "node's size, or leave --offload out"))
+
+
 def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = "bfloat16", optimizer: str = "adamw",
                  batch: int = 1, device: str = "cuda", offload: bool = False, granularity: int | None = None,
-                 parallel: bool = True) -> str:
+                 parallel: bool = True, shard_params: bool = True, host_memory: str | None = None) -> str:
     """The report of `autosp plan` (see the module docstring). `parallel`: probe the two lengths in two
-    processes (a fork; pass False in a process whose threads make forking unsafe)."""
+    processes (a fork; pass False in a process whose threads make forking unsafe). `shard_params`: the
+    model state sharded over every rank (when there is more than one), else replicated."""
     t_start = time.perf_counter()
     mem = parse_memory(memory)
+    host = _HOST_MEMORY if host_memory is None else parse_memory(host_memory, "--host-memory")
     step = granularity or sp * 64
     if step % sp:
         raise AutospError(f"--granularity {step}: lengths must split over sp={sp} ranks. Fix: a multiple of {sp}.")
@@ -257,37 +367,44 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
                           "--offload out.")
     spec = model_config(model)
     torch_dtype = getattr(torch, dtype)
-    with fake_world(sp * dp):
-        tracer = Tracer(spec, planning_mesh(sp, dp), torch_dtype, batch, sp)
+    world = sp * dp
+    sharded = shard_params and world > 1
+    with fake_world(world):
+        tracer = Tracer(spec, planning_mesh(sp, dp), torch_dtype, batch, sp, shard_params=sharded)
         n = tracer.n_params
-        p_bytes = g_bytes = tracer.param_bytes
-        o_bytes = _OPT_BYTES[optimizer] * n
+        st = model_state(tracer, optimizer)
         out = [f"autosp plan: {describe(spec)}\n  {n / 1e9:.3f}B parameters in {dtype}; mesh dp {dp} x sp {sp}; "
                f"{fmt(mem)} per rank; cost model {device}; {batch} sequence(s) per dp rank",
-               f"model state per rank (replicated over sp and dp): parameters {fmt(p_bytes)}, gradients "
-               f"{fmt(g_bytes)} (counted in the step's peak), {optimizer} "
-               + (f"2 fp32 moments {fmt(o_bytes)}" if o_bytes else "no state")
-               + f" = {fmt(p_bytes + g_bytes + o_bytes)}"]
-        state = p_bytes + g_bytes + o_bytes
-        if state >= mem:
-            out.append(f"-> the model state alone needs {fmt(state)}, {fmt(state - mem)} more than the {fmt(mem)} per "
-                       "rank: no sequence length fits in any configuration. Fix: more memory per rank"
-                       + (", --optimizer sgd" if optimizer != "sgd" else "")
-                       + ", a smaller model, or parameters and optimizer sharded over dp (not part of autosp).")
+               _state_line(st, tracer, optimizer, dtype, dp, sp)]
+        host_line = _host_line(host, host_memory is not None, world, offload, None)
+        if st.total >= mem:
+            if sharded:
+                fix = "more ranks to shard it over (--dp)"
+            elif world > 1:
+                per = (8 + 4 * _MOMENTS[optimizer]) * n / world
+                fix = f"leave out --no-shard-params (sharded over the {world} ranks: about {fmt(per)} per rank)"
+            else:
+                fix = "more ranks (--sp, --dp), over which the model state is sharded"
+            out.append(f"-> the model state alone needs {fmt(st.total)}, {fmt(st.total - mem)} more than the "
+                       f"{fmt(mem)} per rank: no sequence length fits in any configuration. Fix: {fix}, more memory "
+                       "per rank" + (", --optimizer sgd" if optimizer != "sgd" else "") + ", or a smaller model.")
+            out.append(host_line)
             return "\n".join(out)
-        fixed = p_bytes + o_bytes                          # live across the step; the step's peak adds the rest
+        fixed = st.params + st.moments                     # live across the step; the step's peak adds the rest
         avail = mem - fixed
 
         def tokens(length):                                 # the token ids (labels are the same tensor)
             return 8 * batch * length
 
-        l1 = max(32 * step, _rounded(_guess(spec.config, avail - g_bytes, torch_dtype, sp, batch), step))
+        # no remat keeps every gathered parameter for the backward: the guess leaves room for them
+        kept = tracer.compute_bytes if sharded else 0
+        l1 = max(32 * step, _rounded(_guess(spec.config, avail - st.grads - kept, torch_dtype, sp, batch), step))
         l2 = 4 * l1
         q1, q2 = _both(lambda: probe(tracer, l1, device, offload), lambda: probe(tracer, l2, device, offload),
                        parallel)
 
         rows, models = [], {}
-        for key, name, ranks in (("nosp", "no SP", 1), ("sp", f"SP={sp}, no remat", sp)):
+        for key, name in (("nosp", "no SP"), ("sp", f"SP={sp}, no remat")):
             (v1, s1, c1), (v2, s2, c2) = q1.profiles[key], q2.profiles[key]
             if s1 != s2 or len(v1) != len(v2):
                 raise AutospError(f"autosp plan: {model}'s program differs between lengths {l1} and {l2}, so its "
@@ -295,7 +412,7 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
                                   "lengths you need (the Python API).")
             aff = models[key] = Affine.fit(l1, v1 + tokens(l1), l2, v2 + tokens(l2))
             length = aff.longest(avail, step)
-            comm = int(_line(c1, l1, c2, l2).peak(length)) if length else None
+            comm = tuple(int(_line(a, l1, b, l2).peak(length)) for a, b in zip(c1, c2)) if length else None
             rows.append(Row(name, length, aff.peak(length) if length else None, comm))
 
         # SP with the ILP plan: the least peak at l1 and l2 gives an estimate; a trace there checks it
@@ -307,7 +424,7 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
         while tries < 4:
             tries += 1
             guess = max(guess, floor_len + step)
-            pg = tracer.trace(guess)
+            pg = tracer.trace(guess, single=False)
             try:
                 plan, prog = _step(pg.local, int(avail - tokens(guess)), device, offload, refine=False)
             except BudgetError as exc:
@@ -327,39 +444,54 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
             recheck = None
         else:
             glen, plan, prog, pg = checked
-            rows.append(Row(name, glen, plan.peak_bytes + tokens(glen), comm_bytes(prog, sp),
+            rows.append(Row(name, glen, plan.peak_bytes + tokens(glen), comm_bytes(prog),
                             f"checked by a trace at {glen:,} ({tries} trace{'s' if tries > 1 else ''}): the plan's "
                             f"peak {fmt(plan.peak_bytes)} fits the {fmt(avail - tokens(glen))} left (a longer "
                             "length was not tried: this row is a length that fits, within the estimate's error of "
                             "the longest)"
                             + (f"; it offloads {fmt(plan.offload_bytes)} to host memory per rank"
                                if plan.offload_bytes else "")))
+            host_line = _host_line(host, host_memory is not None, world, offload, plan.offload_bytes or 0)
             _, prog3 = _step(pg.local, None, device)
             v3, _ = _profile(prog3, device)
             recheck = (glen, abs(models["sp"].peak(glen) - (float(np.max(v3)) + tokens(glen))))
-    dp_comm = ring_allreduce_bytes(g_bytes, dp)
-    sp_grad = ring_allreduce_bytes(g_bytes, sp)
+    # replicated: the gradients are all-reduced after the step, by ring; sharded: reduce-scattered in it
+    dp_comm = 0 if sharded else ring_allreduce_bytes(st.grads, dp)
+    sp_grad = 0 if sharded else ring_allreduce_bytes(st.grads, sp)
 
     out.append(f"longest trainable sequence (tokens per sequence, a multiple of {step}) and per-rank memory:\n")
     out.append("| configuration | longest sequence | memory per rank | of which the step's peak | "
                "collectives sent per rank per step |")
     out.append("|---|---|---|---|---|")
     for r in rows:
-        grads = dp_comm + (sp_grad if r.name != "no SP" else 0)
+        seq, par = r.comm or (0, 0)
+        grads = par + dp_comm + (sp_grad if r.name != "no SP" else 0)
+        what = "parameter gathers and gradient reduce-scatters" if sharded else "gradients"
         if r.length:
             out.append(f"| {r.name} | {r.length:,} | {fmt(fixed + r.peak)} | {fmt(r.peak)} | "
-                       f"{fmt((r.comm or 0) + grads)} ({fmt(r.comm or 0)} sequence, {fmt(grads)} gradients) |")
+                       f"{fmt(seq + grads)} ({fmt(seq)} sequence, {fmt(grads)} {what}) |")
         else:
             out.append(f"| {r.name} | none ({step} tokens do not fit) | - | - | - |")
     if rows[1].length and rows[2].length:
         out.append(f"\nILP plan / SP without remat: {rows[2].length / rows[1].length:.2f}x the length"
                    + (f"; SP without remat / no SP: {rows[1].length / rows[0].length:.2f}x" if rows[0].length else ""))
+    out.append(host_line)
     out.append(f"\nhow: two meta traces (lengths {l1:,} and {l2:,}) fix each no-remat program's bytes at every "
                "point of the step as an affine function of the length, solved for exactly"
                + (f" (re-checked by the trace at {recheck[0]:,}: off by {recheck[1]:.0f} bytes)" if recheck else "")
                + f"; the ILP plan's least peak at those lengths gave an estimate, {rows[2].note or 'not needed'}.")
-    out.append(f"memory per rank = parameters + optimizer state ({fmt(fixed)}) + the step's peak (activations, "
-               "temporaries, collective buffers, gradients) + the token ids. Gradients are all-reduced over sp"
-               + (" and dp" if dp > 1 else "") + f" by ring ({fmt(sp_grad + dp_comm)} sent per rank)."
-               f" Planned in {time.perf_counter() - t_start:.0f} s.")
+    if sharded:
+        out.append(f"memory per rank = fp32 master shard + optimizer state ({fmt(fixed)}) + the step's peak "
+                   f"(activations, temporaries, collective buffers, the gathered {dtype} parameters it holds, the fp32 "
+                   f"gradient shards) + the token ids. Parameters are gathered and gradients reduce-scattered over "
+                   f"the {world} ranks inside the step (no separate all-reduce). Without remat every gathered "
+                   f"parameter is kept for the backward ({fmt(tracer.compute_bytes)} for the whole model), as "
+                   "autograd keeps them; the ILP plan may gather again instead. The no-SP row runs every sequence "
+                   f"whole on each rank with the same sharded model state (dp {world} x sp 1: FSDP2 without SP)."
+                   f" Planned in {time.perf_counter() - t_start:.0f} s.")
+    else:
+        out.append(f"memory per rank = parameters + optimizer state ({fmt(fixed)}) + the step's peak (activations, "
+                   "temporaries, collective buffers, gradients) + the token ids. Gradients are all-reduced over sp"
+                   + (" and dp" if dp > 1 else "") + f" by ring ({fmt(sp_grad + dp_comm)} sent per rank)."
+                   f" Planned in {time.perf_counter() - t_start:.0f} s.")
     return "\n".join(out)
