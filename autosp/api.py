@@ -319,7 +319,7 @@ def explain(fn, mesh, *args, in_specs=None, memory_budget=None, host_bandwidth=N
     head = (f"# autosp.explain: sp={mesh_info(mesh).sp_size}, {len(graph.eqns)} global equations -> "
             f"{len(local.eqns)} per-rank, collectives: "
             + ", ".join(f"{n}x{sum(e.op.name == n for e in colls)}" for n in sorted({e.op.name for e in colls})))
-    parts = [head, attention_summary(local, _device_of(args))]
+    parts = [head, attention_summary(local, _device_of(args), mesh_info(mesh).sp_size)]
     state = model_state_summary(local)
     if state:
         parts.append(state)
@@ -369,7 +369,7 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def attention_summary(local: Graph, device: str) -> str:
+def attention_summary(local: Graph, device: str, sp: int | None = None) -> str:
     """One line per attention of the per-rank program: what its mask is and what runs it (the kernel
     lowering picks, autosp/kernels/dispatch.py)."""
     from autosp.kernels.dispatch import attention_kernel
@@ -383,6 +383,18 @@ def attention_summary(local: Graph, device: str) -> str:
             kernel = describe(args[4], device, args[3])
             lines.append(f"  masked_attention{where}: mask = {args[4]}{'  [' + leaves + ']' if leaves else ''}; "
                          f"no s x s tensor, memory O(block * s); {kernel}")
+        elif e.op.name == "ring_attention":
+            from autosp.remat.cost import ring_size
+            args = e.var_args()[0]
+            r = ring_size(e)
+            k, v = e.inputs[1], e.inputs[2]
+            sent = (r - 1) * (k.nbytes() + v.nbytes())
+            split = f"sp {sp} = all-to-all over {sp // r} x ring over {r}" if sp else f"a ring over {r} ranks"
+            lines.append(f"  ring_attention{where}: {'causal' if args[3] else 'no mask'}, {split}, "
+                         f"{'zigzag order (balanced causal work)' if args[6] else 'contiguous order'}; "
+                         f"per layer and rank it sends {_fmt_bytes(sent)} forward (R-1 K/V blocks of "
+                         f"{_fmt_bytes(k.nbytes() + v.nbytes())}), {_fmt_bytes(sent + r * 4 * (k.numel() + v.numel()))} "
+                         "backward")
         elif e.op.name == "flash_attention":
             lines.append(f"  flash_attention{where}: {'causal' if e.var_args()[0][3] else 'no mask'}, autosp's Triton "
                          "kernel (called directly)")

@@ -361,13 +361,15 @@ def _ring_attention(ctx: ShardCtx, e: Eqn, b: dict, qkv, u: int, gqa: bool) -> N
         q, k, v = ctx.emit(C.all_to_all, ([q, k, v], 1, 2, ugroup), source=e.source)
     zigzag = is_causal and q.shape[2] % 2 == 0
     if zigzag:
-        q, k, v = (ctx.emit(RING.zigzag_exchange, (t, 2, rgroup, False), source=e.source) for t in (q, k, v))
+        exchange = RING.zigzag_exchange_op._opoverload
+        q, k, v = (ctx.emit(exchange, (t, 2, rgroup, False), source=e.source) for t in (q, k, v))
     scale = b["scale"] if b["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
     last = u == 1 and not zigzag                 # the op whose output is back in the sequence layout
-    o, _ = ctx.emit(RING.ring_attention, (q, k, v, is_causal, float(scale), layout.length, zigzag, rgroup),
+    o, _ = ctx.emit(RING.ring_attention_op._opoverload, (q, k, v, is_causal, float(scale), layout.length, zigzag, rgroup),
                     source=e.source, layouts=[layout, None] if last else None)
     if zigzag:
-        o = ctx.emit(RING.zigzag_exchange, (o, 2, rgroup, True), source=e.source, layouts=None if u > 1 else [layout])
+        o = ctx.emit(RING.zigzag_exchange_op._opoverload, (o, 2, rgroup, True), source=e.source,
+                     layouts=None if u > 1 else [layout])
     if u > 1:
         (o,) = ctx.emit(C.all_to_all, ([o], 2, 1, ugroup), source=e.source, layouts=[layout])
     ctx.env[e.outputs[0].name] = o

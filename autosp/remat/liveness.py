@@ -44,8 +44,35 @@ WORKSPACE = {
     "shard_slice": lambda e: 2 * _bytes_out(e),        # the padded chunk before its clone
     "unshard_grad": lambda e: _bytes_out(e),
     "all_gather_param": lambda e: _gather_param(e),
+    # ring attention: the K/V block in flight beside the one in use, and fp32 accumulators of the
+    # output (forward) or of dQ and the travelling dK/dV (backward)
+    "ring_attention": lambda e: _ring_workspace(e, forward=True),
+    "ring_attention_backward": lambda e: _ring_workspace(e, forward=False),
+    "zigzag_exchange": lambda e: 2 * _bytes_in(e),
     "reduce_scatter_param": lambda e: _reduce_scatter_param(e),
 }
+
+
+def _ring_workspace(e: Eqn, forward: bool) -> int:
+    """Ring attention: the K/V block in flight beside the one in use; fp32 accumulators of the output
+    (forward) or of dQ and the travelling dK/dV (backward); and one block's temporaries: K/V expanded
+    to the query heads (GQA), the block's results, and the CPU kernel's own workspace."""
+    q, k, v = e.inputs[:3] if forward else e.inputs[1:4]
+    zigzag = e.var_args()[0][6 if forward else 9]
+    blk = q.shape[-2] // 2 if zigzag else q.shape[-2]        # a block pairs one chunk of queries and of keys
+    frac = blk / q.shape[-2]
+    group = q.shape[-3] // k.shape[-3]
+    kv = nbytes(k) + nbytes(v)
+    expanded = int(group * kv * frac) if group > 1 else 0
+    if forward:
+        acc = 4 * q.numel() + 4 * q.numel() // q.shape[-1]
+        block = int(nbytes(q) * frac) + expanded
+    else:
+        acc = 4 * (q.numel() + k.numel() + v.numel()) + 4 * (k.numel() + v.numel())
+        block = int(nbytes(q) * frac) + 2 * expanded
+    qs, ks = _cpu_flash_split(blk, blk)
+    kernel = 4 * (torch.get_num_threads() * (2 if not forward else 1) * qs * ks + qs * q.shape[-1])
+    return 2 * kv + acc + block + kernel
 
 
 def _ranks(e: Eqn, group_pos: int, chunk: int, rows: int) -> int:
