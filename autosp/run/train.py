@@ -73,6 +73,10 @@ def worker(a) -> None:
         faults.maybe_fail("step", 0)             # before the heavy imports: a cheap drill for tests
         from autosp.api import value_and_grad
         _train(a, world, dev, value_and_grad)
+    except BaseException as exc:
+        from autosp.run.launch import record_failure
+        record_failure(exc)                      # now: tearing the group down after a peer failed may abort
+        raise
     finally:
         dist.destroy_process_group()
 
