@@ -93,6 +93,11 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: none)")
     t.add_argument("--memory-budget", default=None, help="autosp remat budget per rank: a fraction of the "
                    "no-remat peak (0.5) or bytes (6GiB); default: no remat")
+    t.add_argument("--no-shard-params", dest="shard_params", action="store_false",
+                   help="keep parameters, gradients and AdamW moments whole on every rank (default with more than "
+                   "one rank: each one split on dim 0 over all ranks, FSDP2's layout)")
+    t.add_argument("--optimizer-offload", action="store_true", help="keep AdamW's fp32 master weights and moments "
+                   "in host memory and step them with torch's CPU AdamW (ZeRO-Offload)")
     t.add_argument("--data", default=None, help="token file (.npy, .bin) or text file; default: the Python "
                    "standard library's source as bytes")
     t.add_argument("--dtype", default="uint16", choices=["uint16", "uint32"], help="token type of a .bin file")

@@ -89,7 +89,7 @@ def _measure(world, case, s, steps):
         t0 = time.perf_counter()
         one()
         times.append(time.perf_counter() - t0)
-    (local, _, _), = step._cache.values()
+    (local, *_), = step._cache.values()
     kinds = sorted({e.op.name for e in local.eqns if e.op.name in ("attention", "masked_attention")})
     return {"peak": peak, "time": statistics.median(times), "loss": loss.item(), "ops": kinds}
 

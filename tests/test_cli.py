@@ -3,6 +3,9 @@
 Runs are real: `python -m autosp train` launches 2 gloo ranks through torch.distributed.run. They are
 few (three launches, 15-20 s each on 2 cores), on a 1-layer model at 64 tokens, and each one is
 used by several checks; two more (the tiny preset at 48 tokens, 3 steps) hold `--sp 2` to `--sp 1`.
+Model state (sharded by default, `--no-shard-params`, `--optimizer-offload`) takes seven more short
+launches of the 1-layer model, one of them on 4 ranks, and resharded checkpoints are read back whole
+on rank pools (tests/dist.py).
 """
 from __future__ import annotations
 
@@ -180,6 +183,7 @@ def test_interrupted_save_keeps_the_last_checkpoint_and_resume_is_bit_exact(mode
     rc, stdout, stderr, _ = autosp(args + ["--resume"])
     assert rc == 0, stderr
     assert f"resumed from {out / 'step-2'} (step 2)" in stdout and "trained steps 3-4" in stdout
+    assert "model state: sharded over 2 ranks" in stdout        # the default: parameters and moments as DTensors
     assert losses(out) == uninterrupted          # steps 3 and 4 again, from the checkpoint: bit-exact
     assert sorted(os.listdir(out)) == ["loss.png", "metrics.jsonl", "step-2", "step-4"]
     assert os.path.isfile(out / "step-4" / ".metadata")
@@ -208,6 +212,139 @@ def test_sp2_trains_what_one_device_trains(tmp_path):
     rel = [abs(a - b) / abs(b) for a, b in zip(got[2], got[1])]
     print(f"--sp 2 against --sp 1, relative loss difference per step: {rel}")      # -s shows it
     assert max(rel) <= 1e-5, f"--sp 2 losses {got[2]} vs --sp 1 {got[1]}: relative differences {rel}"
+
+# ---------------------------------------------------------------- model state: sharded, replicated, offloaded
+
+def resume_copy(src, dst, step: int):
+    """A run folder holding `src`'s checkpoint step-N and metrics only: resuming it retrains from step N."""
+    import shutil
+    os.makedirs(dst)
+    shutil.copytree(src / f"step-{step}", dst / f"step-{step}")
+    shutil.copy(src / "metrics.jsonl", dst / "metrics.jsonl")
+    return dst
+
+
+def close(got, want, rtol=1e-5):
+    return len(got) == len(want) and all(abs(a - b) <= rtol * abs(b) for a, b in zip(got, want))
+
+
+@pytest.fixture(scope="module")
+def sharded_run(model, runs):
+    """The default at 2 ranks: model state sharded. 4 steps, checkpoints at 2 and 4; (folder, stdout)."""
+    out = runs / "sharded"
+    rc, stdout, stderr, _ = autosp(train_args(model, out, "--steps", "4", "--save-every", "2", "--timeout", "60"))
+    assert rc == 0, stderr
+    return out, stdout
+
+
+@pytest.fixture(scope="module")
+def replicated_run(model, runs):
+    out = runs / "replicated"
+    rc, stdout, stderr, _ = autosp(train_args(model, out, "--steps", "4", "--save-every", "2", "--timeout", "60",
+                                              "--no-shard-params"))
+    assert rc == 0, stderr
+    return out, stdout
+
+
+def test_sharded_state_trains_what_replicated_state_trains(sharded_run, replicated_run):
+    (sharded, told), (replicated, told_replicated) = sharded_run, replicated_run
+    # 1-layer model: 69,952 fp32 parameters, x 4 (parameters, gradients, 2 moments), halved by sharding
+    assert "model state: sharded over 2 ranks (Shard(0), FSDP2's layout); 0.53 MiB per rank" in told, told
+    assert "model state: replicated on every rank (--no-shard-params); 1.07 MiB per rank" in told_replicated
+    got, want = losses(sharded), losses(replicated)
+    assert len(got) == 4 and close(got, want), (got, want)
+
+
+def test_optimizer_offload_trains_what_the_default_run_trains_and_resumes(model, runs, sharded_run):
+    """AdamW on host copies (the CPU AdamW ZeRO-Offload runs) is the same AdamW: bit-identical losses; its
+    checkpoint holds the host moments, so a resume is bit-exact too."""
+    def args(out, *extra):
+        return train_args(model, out, "--steps", "4", "--save-every", "2", "--timeout", "60", "--optimizer-offload",
+                          *extra)
+    out = runs / "offload"
+    rc, stdout, stderr, _ = autosp(args(out))
+    assert rc == 0, stderr
+    assert ("0.27 MiB per rank on cpu (parameters + gradients), 0.53 MiB in host memory (--optimizer-offload"
+            in stdout), stdout
+    want = losses(sharded_run[0])
+    assert losses(out) == want
+    again = resume_copy(out, runs / "offload-resumed", 2)
+    rc, stdout, stderr, _ = autosp(args(again, "--resume"))
+    assert rc == 0, stderr
+    assert "trained steps 3-4" in stdout and losses(again) == want
+
+
+def test_a_replicated_checkpoint_resumes_sharded(model, runs, replicated_run):
+    out = resume_copy(replicated_run[0], runs / "replicated-to-sharded", 2)
+    rc, stdout, stderr, _ = autosp(train_args(model, out, "--steps", "4", "--timeout", "60", "--resume"))
+    assert rc == 0, stderr
+    assert "model state: sharded over 2 ranks" in stdout and "trained steps 3-4" in stdout
+    got, want = losses(out), losses(replicated_run[0])
+    assert got[:2] == want[:2] and close(got, want), (got, want)
+
+
+def test_a_checkpoint_of_4_ranks_resumes_on_2(model, runs):
+    """dp 2 x sp 2 writes its shards; sp 2 reads other rows of them (DCP reshards) and trains on."""
+    four = runs / "four-ranks"
+    args = ["--steps", "4", "--save-every", "2", "--timeout", "60"]
+    rc, stdout, stderr, _ = autosp(train_args(model, four, "--dp", "2", "--sp", "2", *args))
+    assert rc == 0, stderr
+    assert "ranks 4 = dp 2 x sp 2" in stdout and "model state: sharded over 4 ranks" in stdout
+    two = resume_copy(four, runs / "four-to-two", 2)
+    rc, stdout, stderr, _ = autosp(train_args(model, two, "--sp", "2", *args, "--resume"))
+    assert rc == 0, stderr
+    assert "model state: sharded over 2 ranks" in stdout and "trained steps 3-4" in stdout
+    got, want = losses(two), losses(four)
+    assert got[:2] == want[:2] and close(got, want), (got, want)
+
+
+def _reshard_job(rank, world, model, path, save, offload):
+    """Model and AdamW state after one step, written by `autosp train`'s checkpoint code at one number of
+    ranks, read at another: each rank returns the gathered parameters, moments and AdamW steps."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autosp.params import shard_params
+    from autosp.run import checkpoint
+    from autosp.run.models import build_model, model_config
+    from autosp.run.optim import make_optimizer
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
+    # loading starts from another seed: every value compared must come from the checkpoint
+    net = shard_params(build_model(model_config(model), seed=1 if save else 2), mesh)
+    opt = make_optimizer(net, lr=1e-2, weight_decay=0.1, offload=offload)
+    train = {"step": 0}
+    if save:
+        g = torch.Generator().manual_seed(0)
+        grads = shard_params({n: torch.randn(p.shape, generator=g) for n, p in net.named_parameters()}, mesh)
+        for n, p in net.named_parameters():
+            p.grad = grads[n]
+        opt.step()
+        checkpoint.save(path, 1, net, opt, {"step": 1})
+    else:
+        train = checkpoint.load(os.path.join(path, "step-1"), net, opt, train)
+    if offload:                               # the host masters are the parameters' local shards
+        assert all(torch.equal(m, p.to_local()) for m, p in zip(opt.masters, opt.device_params))
+    osd = opt.named_state() if offload else get_state_dict(net, opt)[1]
+    state = {f"{n}.{k}": v.full_tensor() if k != "step" else v for n, s in osd["state"].items() for k, v in s.items()}
+    params = {n: p.detach().full_tensor() for n, p in net.named_parameters()}
+    return params, state, train
+
+
+@pytest.mark.parametrize("save_offload,load_offload", [(False, False), (True, True), (True, False)],
+                         ids=["adamw", "offloaded", "offloaded-to-adamw"])
+def test_a_checkpoint_of_4_ranks_loads_on_2_as_it_was_saved(model, tmp_path, save_offload, load_offload):
+    from tests.dist import run_ranks
+    path = str(tmp_path / "run")
+    saved = run_ranks(_reshard_job, 4, model, path, True, save_offload)
+    loaded = run_ranks(_reshard_job, 2, model, path, False, load_offload)
+    params, state, _ = saved[0]
+    assert len(state) == 3 * len(params)
+    for got_params, got_state, train in loaded:
+        assert train == {"step": 1}
+        assert got_params.keys() == params.keys() and got_state.keys() == state.keys()
+        assert all(torch.equal(got_params[k], params[k]) for k in params), "parameters differ after resharding"
+        assert all(torch.equal(got_state[k], state[k]) for k in state), "AdamW state differs after resharding"
+
 
 # ---------------------------------------------------------------- plan and explain
 

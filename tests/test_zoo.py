@@ -31,7 +31,7 @@ def _zoo_job(rank, world, names, s):
         ref_grads = torch.autograd.grad(ref, list(p.values()), allow_unused=True)
         vg = autosp.value_and_grad(fn, mesh)
         loss, grads = vg(params, ids, labels)
-        (local, _, _), = vg.sharded._cache.values()
+        (local, *_), = vg.sharded._cache.values()
         layers = model.config.num_hidden_layers if hasattr(model, "config") else len(model.layers)
         report[name] = (rank_errors(loss, grads, ref, dict(zip(params, ref_grads))),
                         sum(e.op.name == "all_to_all" for e in local.eqns),

@@ -10,6 +10,11 @@ rename happened, so `latest` never returns a half-written checkpoint; a leftover
 ignored (and replaced by the next save of step N). Model and optimizer states go through
 `torch.distributed.checkpoint.state_dict` (replicated tensors are written once); the training
 state (step, scheduler, data position) is one entry; each rank's RNG states are its own entry.
+
+Sharded parameters (autosp.shard_params) and their AdamW moments are DTensors: each rank writes its
+shards, and DCP reads back whichever rows a rank holds, so a checkpoint written by 4 ranks resumes
+on 2, and a replicated one resumes sharded (and back). The offloaded AdamW (optim.OffloadedAdamW)
+is written in the same form as torch's AdamW of the device parameters, so either run reads either.
 """
 from __future__ import annotations
 
@@ -22,9 +27,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 
 from autosp.run import faults
+from autosp.run.optim import OffloadedAdamW
 
 _STEP = re.compile(r"step-(\d+)$")
 
@@ -57,7 +64,10 @@ def set_rng_state(state: dict) -> None:
 
 
 def _state(model, opt, extra: dict) -> dict:
-    msd, osd = get_state_dict(model, opt)
+    if isinstance(opt, OffloadedAdamW):
+        msd, osd = get_model_state_dict(model), opt.named_state()
+    else:
+        msd, osd = get_state_dict(model, opt)
     rank = dist.get_rank()
     return {"model": msd, "optim": osd, "train": extra, f"rng.rank{rank}": rng_state()}
 
@@ -107,7 +117,11 @@ def load(path: str, model, opt, extra: dict) -> dict:
     if not any(k.startswith(key) for k in meta.state_dict_metadata):
         state.pop(key)                            # saved by fewer ranks: keep this rank's RNG as seeded
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if isinstance(opt, OffloadedAdamW):
+        set_model_state_dict(model, state["model"])
+        opt.load_named_state(state["optim"])
+    else:
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if key in state:
         set_rng_state(state[key])
     return state["train"]

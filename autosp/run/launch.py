@@ -76,11 +76,14 @@ def _extra(failure) -> dict:
 def _what(failure) -> str:
     if _stopped(failure):
         return f"was stopped by the launcher (SIGTERM, exit code {failure.exitcode})"
-    if failure.exitcode < 0:
-        return f"was killed by {failure.signal_name()} (exit code {failure.exitcode})"
     msg = failure.message
     if isinstance(msg, dict):
         msg = str(msg.get("message", msg))
+    if failure.exitcode < 0:
+        # a rank that recorded its error and then died tearing down (an abort in the process group's
+        # shutdown after a peer failed): the recorded error is the cause
+        said = "" if not msg or msg.startswith("To enable traceback") or not _extra(failure) else f": {msg.strip()}"
+        return f"was killed by {failure.signal_name()} (exit code {failure.exitcode}){said}"
     if msg.startswith("To enable traceback"):
         msg = "no error recorded (the process exited without raising)"
     return f"exited with code {failure.exitcode}: {msg.strip()}"

@@ -1,12 +1,15 @@
 """The training loop one rank runs (started by torch.distributed.run, ours or the user's).
 
-Every rank builds the same model from the seed, reads its dp part of the step's global batch, and
-takes `autosp.value_and_grad(loss_fn, mesh, memory_budget=...)`: the loss and the complete
-gradients on every rank. AdamW, warmup + cosine, gradient clipping on those complete gradients
-(identical on every rank, so every rank takes the same update and the parameters stay replicated).
-Rank 0 shows the progress bar and writes DIR/metrics.jsonl and DIR/loss.png; all ranks write the
-checkpoints. Nothing is written before the first step has compiled and run, so a model or a
-memory budget autosp refuses leaves no trace.
+Every rank builds the same model from the seed and, with more than one rank, shards its state
+(`autosp.shard_params`: every parameter a DTensor split on dim 0 over all dp x sp ranks, FSDP2's
+layout; `--no-shard-params` keeps it whole on every rank). Each rank reads its dp part of the step's
+global batch and takes `autosp.value_and_grad(loss_fn, mesh, memory_budget=...)`: the loss, and the
+gradients laid out as the parameters (this rank's shard, or the whole gradient). AdamW, warmup +
+cosine, gradient clipping on those gradients; sharded, each rank updates its own rows, replicated,
+every rank takes the same update. `--optimizer-offload` steps AdamW on fp32 host copies instead
+(optim.OffloadedAdamW). Rank 0 shows the progress bar and writes DIR/metrics.jsonl and
+DIR/loss.png; all ranks write the checkpoints. Nothing is written before the first step has
+compiled and run, so a model or a memory budget autosp refuses leaves no trace.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import torch.distributed as dist
 from autosp.run import checkpoint, faults, metrics
 from autosp.run.data import batch_for_step, check_corpus, open_corpus
 from autosp.run.models import build_model, count_parameters, describe, model_config
-from autosp.run.optim import make_optimizer, make_schedule
+from autosp.run.optim import make_optimizer, make_schedule, state_bytes
 
 
 def _say(*a):
@@ -46,6 +49,18 @@ def _bar(start: int, total: int):
     return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, desc="train")
 
 
+def _state_line(model, world: int, dev: torch.device, sharded: bool, offload: bool) -> str:
+    """The banner's line on model state: where it lives and how many bytes each rank holds."""
+    on_dev, on_host = state_bytes(model, offload=offload)
+    how = (f"sharded over {world} ranks (Shard(0), FSDP2's layout)" if sharded else
+           "replicated on every rank (--no-shard-params)" if world > 1 else "whole (one rank)")
+    if not offload:
+        return f"model state: {how}; {on_dev / 2**20:.2f} MiB per rank (parameters + gradients + AdamW moments)"
+    return (f"model state: {how}; {on_dev / 2**20:.2f} MiB per rank on {dev.type} (parameters + gradients), "
+            f"{on_host / 2**20:.2f} MiB in host memory (--optimizer-offload: fp32 master weights, gradients and "
+            "AdamW moments)")
+
+
 def worker(a) -> None:
     """One rank of `autosp train`; `a` is the parsed command line (cli.py)."""
     world = int(os.environ["WORLD_SIZE"])
@@ -58,6 +73,10 @@ def worker(a) -> None:
         faults.maybe_fail("step", 0)             # before the heavy imports: a cheap drill for tests
         from autosp.api import value_and_grad
         _train(a, world, dev, value_and_grad)
+    except BaseException as exc:
+        from autosp.run.launch import record_failure
+        record_failure(exc)                      # now: tearing the group down after a peer failed may abort
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -74,7 +93,11 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
     check_corpus(corpus, a.seq_len, spec.vocab)
     model = build_model(spec, seed=a.seed, device=str(dev))
     model.train()
-    opt = make_optimizer(model, lr=a.lr, weight_decay=a.weight_decay)
+    sharded = world > 1 and a.shard_params
+    if sharded:
+        from autosp.params import shard_params
+        shard_params(model, mesh)
+    opt = make_optimizer(model, lr=a.lr, weight_decay=a.weight_decay, offload=a.optimizer_offload)
     warmup = a.warmup if a.warmup is not None else max(1, min(100, a.steps // 10))
     sched = make_schedule(opt, warmup=warmup, total=a.steps, floor=a.min_lr_ratio)
     state = {"step": 0, "scheduler": sched.state_dict(), "seed": a.seed, "seq_len": a.seq_len, "batch": a.batch}
@@ -108,7 +131,8 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
          f"  ranks {world} = dp {dp} x sp {sp} on {dev.type} ({'nccl' if dev.type == 'cuda' else 'gloo'}); "
          f"global batch {a.batch} x {a.seq_len} tokens; {a.steps} steps, lr {a.lr} (warmup {warmup}, cosine)\n"
          f"  data: {corpus.name}, {corpus.length:,} tokens = {corpus.sequences(a.seq_len):,} sequences\n"
-         f"  memory budget: {a.memory_budget if a.memory_budget is not None else 'none (autograd saves all)'}"
+         f"  memory budget: {a.memory_budget if a.memory_budget is not None else 'none (autograd saves all)'}\n"
+         f"  {_state_line(model, world, dev, sharded, a.optimizer_offload)}"
          + (f"\n  resumed from {resumed} (step {start})" if resumed else ""))
 
     writer = bar = None
@@ -125,6 +149,8 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
         for name, p in params.items():
             p.grad = grads[name]
         norm = torch.nn.utils.clip_grad_norm_(list(params.values()), a.clip) if a.clip > 0 else None
+        if norm is not None and hasattr(norm, "full_tensor"):  # sharded gradients: a replicated DTensor
+            norm = norm.full_tensor()
         lr = opt.param_groups[0]["lr"]
         opt.step()
         sched.step()
