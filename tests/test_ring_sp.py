@@ -84,3 +84,12 @@ def test_explain_prints_the_factorisation_and_bad_rings_are_refused():
     assert "ring_attention" in text and "ring_attention_backward" in text     # in the remat plan's programs
     assert "ring=3 does not divide sp=4" in errors[0] and "Fix:" in errors[0]
     assert "6 query heads cannot be split" in errors[1] or "4 ranks" in errors[1], errors[1]
+
+
+def test_plan_accepts_an_sp_beyond_the_heads():
+    """`autosp plan` at sp=8 for a 4-head model: the ring row, planned from the memory model."""
+    from autosp.run.plan import plan_lengths
+    text = plan_lengths("tiny", sp=8, memory="1GiB", parallel=False)
+    assert "attention at sp=8: 4 heads run out: all-to-all over 4 ranks x ring attention over 2" in text, text
+    row = next(l for l in text.splitlines() if l.startswith("| SP=8, ILP plan"))
+    assert "none" not in row, row

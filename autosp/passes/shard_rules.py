@@ -328,7 +328,14 @@ def ulysses_size(ctx: ShardCtx, e: Eqn, heads: int) -> int:
             raise ShardError(f"{describe(ctx, e)}: ring={ring} leaves an all-to-all over {u} ranks, which {heads} "
                              f"query heads cannot be split over. Fix: a ring size r with {heads} % ({p} / r) == 0.")
         return u
-    return max(d for d in range(1, p + 1) if p % d == 0 and heads % d == 0)
+    return factorise(p, heads)[0]
+
+
+def factorise(p: int, heads: int) -> tuple[int, int]:
+    """(U, R) with U x R = p: U the largest divisor of p that divides the query heads (Ulysses where it
+    can be, a ring over the rest)."""
+    u = max(d for d in range(1, p + 1) if p % d == 0 and heads % d == 0)
+    return u, p // u
 
 
 def _ring_attention(ctx: ShardCtx, e: Eqn, b: dict, qkv, u: int, gqa: bool) -> None:

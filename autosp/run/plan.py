@@ -475,6 +475,13 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
     if rows[1].length and rows[2].length:
         out.append(f"\nILP plan / SP without remat: {rows[2].length / rows[1].length:.2f}x the length"
                    + (f"; SP without remat / no SP: {rows[1].length / rows[0].length:.2f}x" if rows[0].length else ""))
+    heads = getattr(spec.config, "num_attention_heads", None)
+    if heads and sp > 1:
+        from autosp.passes.shard_rules import factorise
+        u, r = factorise(sp, heads)
+        out.append(f"attention at sp={sp}: " + (f"Ulysses all-to-all over the {sp} ranks ({heads // sp} of {heads} heads each)"
+                   if r == 1 else f"{heads} heads run out: all-to-all over {u} ranks x ring attention over {r} "
+                   f"(zigzag order; per layer each rank passes {r - 1} K/V block{'s' if r > 2 else ''} around its ring)"))
     out.append(host_line)
     out.append(f"\nhow: two meta traces (lengths {l1:,} and {l2:,}) fix each no-remat program's bytes at every "
                "point of the step as an affine function of the length, solved for exactly"
