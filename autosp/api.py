@@ -258,11 +258,11 @@ class ShardedModule(torch.nn.Module):
     """nn.Module path: forward is sharded; loss.backward() fills the module's .grad as usual."""
 
     def __init__(self, module: torch.nn.Module, mesh, in_specs=None, out_specs=None, memory_budget=None,
-                 host_bandwidth=None):
+                 host_bandwidth=None, ring=None):
         super().__init__()
         self.module = module
         self._step = shard(self._call, mesh, in_specs=in_specs, out_specs=out_specs, memory_budget=memory_budget,
-                           host_bandwidth=host_bandwidth)
+                           host_bandwidth=host_bandwidth, ring=ring)
         # a module wrapped by torch's fully_shard: its parameters are read as DTensors, its hooks not run
         self._step.trace_context = lambda: fsdp_hooks_off(module)
 
@@ -274,8 +274,8 @@ class ShardedModule(torch.nn.Module):
 
 
 def compile(model: torch.nn.Module, mesh, *, in_specs=None, out_specs=None, memory_budget=None,  # noqa: A001
-            host_bandwidth=None) -> ShardedModule:
-    return ShardedModule(model, mesh, in_specs, out_specs, memory_budget, host_bandwidth)
+            host_bandwidth=None, ring=None) -> ShardedModule:
+    return ShardedModule(model, mesh, in_specs, out_specs, memory_budget, host_bandwidth, ring)
 
 
 def _differentiable(params):
