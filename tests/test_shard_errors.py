@@ -45,8 +45,13 @@ def _messages(rank, world):
     # sorting along the sequence has a rule: the exact gather
     by_pos = _attn_then(lambda a: (a.sort(dim=1).values * torch.arange(16.0).view(1, 16, 1)).sum())
     out["sort_value"] = (autosp.shard(by_pos, sp)(w, x).item(), by_pos(w, x).item())
+    # 3 heads at sp=2 run a ring (sp = 1 x 2); with a sliding-window mask the ring is refused
     odd = tiny_llama(heads=3, kv_heads=3, hidden=24)
-    capture("heads", lambda: autosp.shard(llama_loss(odd), sp)(params_of(odd), ids, labels))
+    out["heads_value"] = (autosp.shard(llama_loss(odd), sp)(params_of(odd), ids, labels).item(),
+                          llama_loss(odd)(params_of(odd), ids, labels).item())
+    from tests.models import tiny_hf
+    window = tiny_hf("mistral", heads=3, kv_heads=3, hidden=24, sliding_window=4)
+    capture("heads", lambda: autosp.shard(llama_loss(window), sp)(params_of(window), ids, labels))
     capture("no_attention", lambda: autosp.shard(lambda w, x: (x @ w).sum(), sp)(w, x))
     capture("bad_spec", lambda: autosp.shard(lambda w, x: (x @ w).sum(), sp, in_specs=(None, "b (s d"))(w, x))
     capture("spec_rank", lambda: autosp.shard(lambda w, x: (x @ w).sum(), sp, in_specs=(None, "b s"))(w, x))
@@ -59,7 +64,7 @@ def _messages(rank, world):
 def test_error_messages():
     results = run_ranks(_messages, 2)
     for rank, r in enumerate(results):          # the values that ran: on every rank
-        for key in ("sort_value", "spec_value"):
+        for key in ("sort_value", "spec_value", "heads_value"):
             got, want = r[key]
             assert abs(got - want) <= 1e-5 * abs(want), (rank, key, got, want)
     m = results[0]
@@ -71,7 +76,7 @@ def test_error_messages():
     nr = m["no_rule"]
     assert "cummax" in nr and "mixes positions" in nr and "test_shard_errors.py" in nr and "(sp s)" in nr \
         and "sp=2" in nr and "Fix" in nr
-    assert "3 query heads cannot be split over sp=2" in m["heads"] and "Fix" in m["heads"]
+    assert "3 query heads cannot be split over sp=2" in m["heads"] and "a mask" in m["heads"] and "Fix" in m["heads"]
     assert "no attention" in m["no_attention"] and "in_specs" in m["no_attention"]
     assert "layout spec 'b (s d'" in m["bad_spec"]
     assert "names 2 dims but the value has shape [2, 16, 8]" in m["spec_rank"]
