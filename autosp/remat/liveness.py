@@ -54,25 +54,41 @@ WORKSPACE = {
 
 
 def _ring_workspace(e: Eqn, forward: bool) -> int:
-    """Ring attention: the K/V block in flight beside the one in use; fp32 accumulators of the output
-    (forward) or of dQ and the travelling dK/dV (backward); and one block's temporaries: K/V expanded
-    to the query heads (GQA), the block's results, and the CPU kernel's own workspace."""
+    """Ring attention (autosp/ring.py), counted from what the op allocates: the K/V block in flight, fp32
+    accumulators (the output and its lse; dQ and this rank's share of dK/dV, the travelling dK/dV received
+    and sent), contiguous copies of the query-side slots (zigzag), and one block's temporaries: its K/V
+    slots, K/V expanded to the query heads (GQA), its results, and the CPU kernel's own workspace."""
     q, k, v = e.inputs[:3] if forward else e.inputs[1:4]
     zigzag = e.var_args()[0][6 if forward else 9]
-    blk = q.shape[-2] // 2 if zigzag else q.shape[-2]        # a block pairs one chunk of queries and of keys
-    frac = blk / q.shape[-2]
+    f = 0.5 if zigzag else 1.0                       # a block pairs one chunk of queries with one of keys
+    blk = int(q.shape[-2] * f)
     group = q.shape[-3] // k.shape[-3]
-    kv = nbytes(k) + nbytes(v)
-    expanded = int(group * kv * frac) if group > 1 else 0
-    if forward:
-        acc = 4 * q.numel() + 4 * q.numel() // q.shape[-1]
-        block = int(nbytes(q) * frac) + expanded
-    else:
-        acc = 4 * (q.numel() + k.numel() + v.numel()) + 4 * (k.numel() + v.numel())
-        block = int(nbytes(q) * frac) + 2 * expanded
+    ct = 8 if q.dtype == torch.float64 else 4
+    kv, kv_n = nbytes(k) + nbytes(v), k.numel() + v.numel()
+    rows = q.numel() // q.shape[-1]                  # lse entries
+    expanded = group * kv * f if group > 1 else 0
     qs, ks = _cpu_flash_split(blk, blk)
-    kernel = 4 * (torch.get_num_threads() * (2 if not forward else 1) * qs * ks + qs * q.shape[-1])
-    return 2 * kv + acc + block + kernel
+    if forward:
+        copies = nbytes(q) if zigzag else 0
+        acc = ct * (q.numel() + rows)
+        # during the kernel: K/V expanded to the query heads and the kernel's own buffers (its output
+        # and lse are counted with the merge, which outlives it)
+        block = expanded + nbytes(q) * f + ct * rows * f
+        kernel = 4 * (torch.get_num_threads() * (qs * ks + 2 * qs + qs * q.shape[-1]))
+    else:
+        from autosp.remat.cost import ring_size
+        r = ring_size(e)
+        copies = (3 * nbytes(q) + ct * rows) if zigzag else 0
+        # this rank's dK/dV share; from the second step on also the travelling grads received and those sent;
+        # K/V in flight on every step but the last
+        share = ct * kv_n
+        travel = max(kv + share, 3 * share) if r == 2 else (kv + 3 * share if r > 2 else share)
+        acc = ct * q.numel() + travel
+        # the block's K/V slots (zigzag), K/V expanded to the query heads, the kernel's dQ, dK, dV (expanded)
+        block = kv * f * (1 if zigzag else 0) + expanded + nbytes(q) * f + (expanded or kv * f)
+        kernel = 4 * (torch.get_num_threads() * 2 * qs * ks + q.numel() * f + qs)
+        return int(copies + acc + block + kernel)
+    return int(kv + copies + acc + block + kernel)
 
 
 def _ranks(e: Eqn, group_pos: int, chunk: int, rows: int) -> int:
