@@ -348,7 +348,7 @@ def model_state_summary(local: Graph) -> str:
     for i, e in gathers:
         x, out = e.inputs[0], e.outputs[0]
         args = e.var_args()[0]
-        rows, reduce_dtype = args[1], args[4]
+        reduce_dtype = args[4]
         grad = out.numel() * reduce_dtype.itemsize
         total_in += out.nbytes()
         total_out += grad
