@@ -383,14 +383,15 @@ def attention_summary(local: Graph, device: str, sp: int | None = None) -> str:
             kernel = describe(args[4], device, args[3])
             lines.append(f"  masked_attention{where}: mask = {args[4]}{'  [' + leaves + ']' if leaves else ''}; "
                          f"no s x s tensor, memory O(block * s); {kernel}")
-        elif e.op.name == "ring_attention":
+        elif e.op.name in ("ring_attention", "ring_masked_attention"):
             from autosp.remat.cost import ring_size
             args = e.var_args()[0]
             r = ring_size(e)
             k, v = e.inputs[1], e.inputs[2]
             sent = (r - 1) * (k.nbytes() + v.nbytes())
             split = f"sp {sp} = all-to-all over {sp // r} x ring over {r}" if sp else f"a ring over {r} ranks"
-            lines.append(f"  ring_attention{where}: {'causal' if args[3] else 'no mask'}, {split}, "
+            what = f"mask = {args[9]} (no s x s tensor)" if len(args) > 9 else 'causal' if args[3] else 'no mask'
+            lines.append(f"  {e.op.name}{where}: {what}, {split}, "
                          f"{'zigzag order (balanced causal work)' if args[6] else 'contiguous order'}; "
                          f"per layer and rank it sends {_fmt_bytes(sent)} forward (R-1 K/V blocks of "
                          f"{_fmt_bytes(k.nbytes() + v.nbytes())}), {_fmt_bytes(sent + r * 4 * (k.numel() + v.numel()))} "

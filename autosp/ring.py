@@ -7,6 +7,10 @@ ring this module owns. Its ops are torch.library custom ops with fakes and autog
   autosp::ring_attention(q, k, v, is_causal, scale, valid, zigzag, group_name) -> (out, lse)
   autosp::ring_attention_backward(do, q, k, v, out, lse, is_causal, scale, valid, zigzag,
                                   group_name, dlse=None) -> (dq, dk, dv)
+  autosp::ring_masked_attention(q, k, v, is_causal, scale, valid, zigzag, group_name, leaves, mask)
+      -> (out, lse)
+  autosp::ring_masked_attention_backward(do, q, k, v, out, lse, is_causal, scale, valid, zigzag,
+                                         group_name, leaves, mask, dlse=None) -> (dq, dk, dv)
   autosp::zigzag_exchange(x, dim, group_name, inverse) -> x in the other layout
 
 What ring_attention computes. The ring group has R ranks; rank j holds q [b, hq, s, d] and
@@ -16,6 +20,15 @@ full sequence, causal by global position when is_causal, restricted to this rank
 keys at global positions >= valid are padding and never attended to (queries there get finite
 values, attending to every valid key they may see). out is [b, hq, s, d] in q's dtype, lse
 [b, hq, s] in fp32 (fp64 for fp64 inputs); both contiguous, as are the fakes.
+
+The masked variant also applies `mask`, an expression of autosp/kernels/maskfn.py over global
+positions and `leaves` (as autosp::masked_attention takes them: [B or 1, R*s, 1] for xN[q],
+[B or 1, 1, R*s] for xN[k], [B or 1, 1, 1], for the whole padded sequence, the same on every rank,
+O(b * R*s)). A block is evaluated at its chunks' global positions, so the zigzag order needs no
+exchange of leaves. Every block pair runs (is_causal adds the causal cut) unless the mask on it lets
+no pair through (evaluated on the block, count_nonzero), then it is skipped; the blocks are the math
+path in fp32 (fp64). A row a block masks whole contributes lse -inf and out 0 (the merge is NaN-free);
+a row masked everywhere ends with out 0, lse -inf and zero gradients, as masked_attention.
 
 Layouts (`ring_positions` gives the global positions of a rank's s slots):
   contiguous  rank j holds positions [j*s, (j+1)*s): one chunk of s, chunk id j.
@@ -44,7 +57,9 @@ Bytes each rank sends (`ring_send_bytes`), ct = fp32 (fp64 for fp64 inputs):
   backward  (R-1) * (k.nbytes + v.nbytes) + R * (k.numel() + v.numel()) * ct.itemsize
   zigzag_exchange  at most x.nbytes (the chunks that change rank).
 
-Not done yet: skipping the transfers a causal contiguous ring never uses (rank R-1's sends;
+Not done yet: a fused kernel for the masked variant's blocks (the math path materialises one
+block's scores); a cost (remat/cost.py) that counts the blocks a mask skips; skipping the
+transfers a causal contiguous ring never uses (rank R-1's sends;
 the zigzag layout uses every block, so it would gain nothing there); Triton/flash kernels per
 block on GPU (the blocks run torch_forward/torch_backward: the fused SDPA kernel on CPU, the
 math path elsewhere); a flop formula for torch.utils.flop_counter (it needs R, which the
@@ -62,6 +77,8 @@ from torch import Tensor
 from autosp.collectives import _pg, _release
 from autosp.kernels._ops import differentiable, fail
 from autosp.kernels.flash_torch import lse_dtype, torch_backward, torch_forward
+from autosp.kernels.masked import _block_mask, _masked_scores, _rows, _unrows
+from autosp.kernels.maskfn import check_leaves, parse
 
 
 # ---------------------------------------------------------------- layouts and schedule (pure)
@@ -188,22 +205,67 @@ class _Chunks:
 def _merge(out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
     """Fold a partial (o, l) into the running (out, lse) views in place: softmax over the union."""
     new = torch.logaddexp(lse, l)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(o.to(out.dtype) * torch.exp(l - new).unsqueeze(-1))
+    shift = new.masked_fill(new == float("-inf"), 0.0)    # rows masked so far: both weights 0, not NaN
+    out.mul_(torch.exp(lse - shift).unsqueeze(-1)).add_(o.to(out.dtype) * torch.exp(l - shift).unsqueeze(-1))
     lse.copy_(new)
 
 
-@torch.library.custom_op("autosp::ring_attention", mutates_args=())
-def ring_attention_op(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, valid: int, zigzag: bool,
-                      group_name: str) -> tuple[Tensor, Tensor]:
-    _check("ring_attention", q, k, v, scale, valid, zigzag)
+class _BlockMask:
+    """The mask of the masked variant on one block, at the global positions of its chunks."""
+
+    def __init__(self, expr: str, leaves, c: int):
+        self.fn, self.leaves, self.c = parse(expr), leaves, c
+
+    def on(self, blk: Block, n: int, device):
+        """False: the block lets nothing through (skip it); None: everything; else [B or 1, c, n]."""
+        i0, j0 = blk.q_chunk * self.c, blk.k_chunk * self.c
+        m = _block_mask(self.fn, self.leaves, i0, i0 + self.c, j0, j0 + n, device)
+        if m is False or not blk.causal:
+            return m
+        seen = torch.ones(self.c, n, dtype=torch.bool, device=device).tril()[None]   # the diagonal block
+        if m is None:
+            return seen
+        return m & seen if m.dtype == torch.bool else m.masked_fill(~seen, float("-inf"))
+
+
+def _masked_block_forward(q: Tensor, k: Tensor, v: Tensor, mask, scale: float) -> tuple[Tensor, Tensor]:
+    """(out, lse) of one block by the math path, in q's (compute) dtype: q [b, hq, c, d] against
+    k, v [b, hkv, n, d] under mask (None or [B or 1, c, n]); a row masked whole gives 0 and -inf."""
+    b, hq, _, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    s = _masked_scores(_rows(q, hkv, q.dtype) * scale, k.reshape(b * hkv, n, d), mask, b, hq // hkv)
+    lse = torch.logsumexp(s, -1)                                           # (b*hkv, c*g)
+    p = s.sub_(lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1)).exp_()
+    return _unrows(torch.bmm(p, v.reshape(b * hkv, n, d)), b, hq, q.dtype), _unrows(lse, b, hq, q.dtype)
+
+
+def _masked_block_backward(rows, k: Tensor, v: Tensor, mask, scale: float, b: int, hq: int):
+    """(dq, dk, dv) of one block: P from the merged lse, dS = P * (dO V^T - delta) (flash identity).
+    rows = (q * scale, dO, lse with -inf as 0, delta) of the query slot as GQA rows [b*hkv, c*g, ...]."""
+    qr, dor, lse, delta = rows
+    hkv, n, d = k.shape[1], k.shape[2], k.shape[3]
+    kr, vr = k.reshape(b * hkv, n, d), v.reshape(b * hkv, n, d)
+    p = _masked_scores(qr, kr, mask, b, hq // hkv, shift=lse).exp_()     # (b*hkv, c*g, n)
+    dv = torch.bmm(p.transpose(1, 2), dor)
+    ds = torch.baddbmm(delta.neg(), dor, vr.transpose(1, 2)).mul_(p)
+    dq = _unrows(torch.bmm(ds, kr).mul_(scale), b, hq, qr.dtype)
+    dk = torch.bmm(ds.transpose(1, 2), qr)                                 # qr holds q * scale
+    return dq, dk.reshape(k.shape), dv.reshape(v.shape)
+
+
+def _ring_forward(q, k, v, is_causal, scale, valid, zigzag, group_name, leaves=None, mask=None):
+    """Both forward ops: unmasked blocks run the fused kernel, masked ones the math path."""
+    op = "ring_attention" if mask is None else "ring_masked_attention"
+    _check(op, q, k, v, scale, valid, zigzag)
     group = _pg(group_name)
     R, j = dist.get_world_size(group), dist.get_rank(group)
-    _check("ring_attention", q, k, v, scale, valid, zigzag, R)
+    _check(op, q, k, v, scale, valid, zigzag, R)
     ch = _Chunks(q.shape[2], zigzag, valid)
     ct = _compute_dtype(q.dtype)
+    bm = None if mask is None else _BlockMask(mask, leaves, ch.c)
     out = torch.zeros(q.shape, dtype=ct, device=q.device)                    # (b, hq, s, d)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
-    qs = [ch.slot(q, i).contiguous() for i in range(2 if zigzag else 1)]
+    qs = [ch.slot(q, i).to(ct if bm else q.dtype).contiguous() for i in range(2 if zigzag else 1)]
     kv = [k.contiguous(), v.contiguous()]
     for step in ring_schedule(R, j, zigzag, is_causal):
         nxt = reqs = None
@@ -213,8 +275,14 @@ def ring_attention_op(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: f
             n = ch.keys(blk.k_chunk)
             if n == 0:
                 continue
-            o, l = torch_forward(qs[blk.q_slot], *(ch.slot(t, blk.k_slot, n).contiguous() for t in kv),
-                                 blk.causal, scale)
+            kb, vb = (ch.slot(t, blk.k_slot, n).contiguous() for t in kv)
+            if bm is None:
+                o, l = torch_forward(qs[blk.q_slot], kb, vb, blk.causal, scale)
+            else:
+                m = bm.on(blk, n, q.device)
+                if m is False:
+                    continue
+                o, l = _masked_block_forward(qs[blk.q_slot], kb.to(ct), vb.to(ct), m, scale)
             _merge(ch.slot(out, blk.q_slot), lse.narrow(2, blk.q_slot * ch.c, ch.c), o, l)
         if reqs is not None:
             _wait(reqs)
@@ -223,33 +291,36 @@ def ring_attention_op(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: f
     return out.to(q.dtype), lse
 
 
-@ring_attention_op.register_fake
-def _ring_attention_fake(q, k, v, is_causal, scale, valid, zigzag, group_name):
-    _check("ring_attention", q, k, v, scale, valid, zigzag)
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
-
-
-# ---------------------------------------------------------------- the backward op
-
-@torch.library.custom_op("autosp::ring_attention_backward", mutates_args=())
-def ring_attention_backward_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                               is_causal: bool, scale: float, valid: int, zigzag: bool, group_name: str,
-                               dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    _check("ring_attention_backward", q, k, v, scale, valid, zigzag)
+def _ring_backward_impl(do, q, k, v, out, lse, is_causal, scale, valid, zigzag, group_name, dlse,
+                        leaves=None, mask=None):
+    op = "ring_attention_backward" if mask is None else "ring_masked_attention_backward"
+    _check(op, q, k, v, scale, valid, zigzag)
     if do.shape != q.shape or out.shape != q.shape or lse.shape != q.shape[:3] or (
             dlse is not None and dlse.shape != lse.shape):
-        fail("ring_attention_backward", f"{_shapes(q, k, v)}, do {list(do.shape)}, out {list(out.shape)}, lse "
+        fail(op, f"{_shapes(q, k, v)}, do {list(do.shape)}, out {list(out.shape)}, lse "
              f"{list(lse.shape)}: do and out must be q's shape, lse and dlse [b, hq, s]",
              "pass the forward's outputs unchanged")
     group = _pg(group_name)
     R, j = dist.get_world_size(group), dist.get_rank(group)
-    _check("ring_attention_backward", q, k, v, scale, valid, zigzag, R)
+    _check(op, q, k, v, scale, valid, zigzag, R)
     ch = _Chunks(q.shape[2], zigzag, valid)
     ct = _compute_dtype(q.dtype)
     slots = range(2 if zigzag else 1)
     qs, dos, outs = ([ch.slot(t, i).contiguous() for i in slots] for t in (q, do.to(q.dtype), out))
     lses = [lse.narrow(2, i * ch.c, ch.c).contiguous() for i in slots]
     dlses = [None if dlse is None else dlse.narrow(2, i * ch.c, ch.c).contiguous() for i in slots]
+    bm = rows = None
+    if mask is not None:
+        bm = _BlockMask(mask, leaves, ch.c)
+        b, hq, hkv = q.shape[0], q.shape[1], k.shape[1]
+        rows = []
+        for i in slots:                   # per query slot, once: GQA rows of q * scale, dO, lse, delta
+            dor = _rows(dos[i], hkv, ct)
+            delta = (dor * _rows(outs[i], hkv, ct)).sum(-1, keepdim=True)
+            if dlses[i] is not None:
+                delta = delta - _rows(dlses[i][..., None], hkv, ct)
+            l = _rows(lses[i][..., None], hkv, ct)
+            rows.append((_rows(qs[i], hkv, ct) * scale, dor, l.masked_fill(l == float("-inf"), 0.0), delta))
     dq = torch.zeros(q.shape, dtype=ct, device=q.device)
     kv = [k.contiguous(), v.contiguous()]
     dkv = dkv_reqs = None        # the travelling grads of the block held now, once they arrive
@@ -264,8 +335,14 @@ def ring_attention_backward_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
             if n == 0:
                 continue
             i = blk.q_slot
-            g = torch_backward(dos[i], qs[i], *(ch.slot(t, blk.k_slot, n).contiguous() for t in kv), outs[i],
-                               lses[i], dlses[i], blk.causal, scale)
+            kb, vb = (ch.slot(t, blk.k_slot, n).contiguous() for t in kv)
+            if bm is None:
+                g = torch_backward(dos[i], qs[i], kb, vb, outs[i], lses[i], dlses[i], blk.causal, scale)
+            else:
+                m = bm.on(blk, n, q.device)
+                if m is False:
+                    continue
+                g = _masked_block_backward(rows[i], kb.to(ct), vb.to(ct), m, scale, b, hq)
             ch.slot(dq, i).add_(g[0])
             for a, gt in zip(acc, g[1:]):
                 ch.slot(a, blk.k_slot, n).add_(gt)
@@ -288,6 +365,25 @@ def ring_attention_backward_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
         _release(*sent)
     dk, dv = dkv
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@torch.library.custom_op("autosp::ring_attention", mutates_args=())
+def ring_attention_op(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, valid: int, zigzag: bool,
+                      group_name: str) -> tuple[Tensor, Tensor]:
+    return _ring_forward(q, k, v, is_causal, scale, valid, zigzag, group_name)
+
+
+@ring_attention_op.register_fake
+def _ring_attention_fake(q, k, v, is_causal, scale, valid, zigzag, group_name):
+    _check("ring_attention", q, k, v, scale, valid, zigzag)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("autosp::ring_attention_backward", mutates_args=())
+def ring_attention_backward_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                               is_causal: bool, scale: float, valid: int, zigzag: bool, group_name: str,
+                               dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    return _ring_backward_impl(do, q, k, v, out, lse, is_causal, scale, valid, zigzag, group_name, dlse)
 
 
 @ring_attention_backward_op.register_fake
@@ -317,6 +413,80 @@ def _ring_backward(ctx, dout, dlse):
 ring_attention = differentiable(ring_attention_op, _ring_setup, _ring_backward)
 ring_attention.__doc__ = """ring_attention(q, k, v, is_causal, scale, valid, zigzag, group_name) -> (out, lse):
 autosp::ring_attention, differentiable in q, k, v (and through lse); see the module docstring."""
+
+
+# ---------------------------------------------------------------- the masked variant
+
+def _check_mask(op: str, q, leaves, mask: str, R: Optional[int] = None) -> None:
+    """The leaves against the mask for the whole ring's length R*s. Where R is not known (the fake), the
+    length is the leaves' own: then their number, kinds, batch and that they agree are checked."""
+    if not isinstance(mask, str) or not isinstance(leaves, (list, tuple)):
+        fail(op, f"mask {mask!r}, leaves {type(leaves).__name__}", "pass the mask as a maskfn string and a list "
+             "of leaf tensors")
+    length = q.shape[2] * R if R is not None else None
+    if length is None:
+        vecs = [t.shape[1] * t.shape[2] for t in leaves if isinstance(t, Tensor) and t.dim() == 3]
+        length = max(vecs) if vecs and max(vecs) > 1 else q.shape[2]
+    check_leaves(mask, leaves, length, q.shape[0], q.device, op=f"autosp.{op}: q {list(q.shape)}")
+
+
+@torch.library.custom_op("autosp::ring_masked_attention", mutates_args=())
+def ring_masked_attention_op(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, valid: int,
+                             zigzag: bool, group_name: str, leaves: list[Tensor],
+                             mask: str) -> tuple[Tensor, Tensor]:
+    R = dist.get_world_size(_pg(group_name))
+    _check("ring_masked_attention", q, k, v, scale, valid, zigzag, R)
+    _check_mask("ring_masked_attention", q, leaves, mask, R)
+    return _ring_forward(q, k, v, is_causal, scale, valid, zigzag, group_name, leaves, mask)
+
+
+@ring_masked_attention_op.register_fake
+def _ring_masked_attention_fake(q, k, v, is_causal, scale, valid, zigzag, group_name, leaves, mask):
+    _check("ring_masked_attention", q, k, v, scale, valid, zigzag)
+    _check_mask("ring_masked_attention", q, leaves, mask)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("autosp::ring_masked_attention_backward", mutates_args=())
+def ring_masked_attention_backward_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                      is_causal: bool, scale: float, valid: int, zigzag: bool, group_name: str,
+                                      leaves: list[Tensor], mask: str,
+                                      dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    return _ring_backward_impl(do, q, k, v, out, lse, is_causal, scale, valid, zigzag, group_name, dlse,
+                               leaves, mask)
+
+
+@ring_masked_attention_backward_op.register_fake
+def _ring_masked_attention_backward_fake(do, q, k, v, out, lse, is_causal, scale, valid, zigzag, group_name,
+                                         leaves, mask, dlse=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _ring_masked_setup(ctx, inputs, output):
+    q, k, v, is_causal, scale, valid, zigzag, group_name, leaves, mask = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *leaves)
+    ctx.args = (is_causal, scale, valid, zigzag, group_name)
+    ctx.mask = mask
+    ctx.set_materialize_grads(False)
+
+
+def _ring_masked_backward(ctx, dout, dlse):
+    q, k, v, out, lse, *leaves = ctx.saved_tensors
+    none = (None,) * 5 + ([None] * len(leaves), None)   # the flags, the leaves (ids, positions), the mask
+    if dout is None and dlse is None:
+        return (None, None, None) + none
+    if dout is None:
+        dout = torch.zeros_like(out)
+    with torch.no_grad():                 # no double backward
+        dq, dk, dv = ring_masked_attention_backward_op(dout, q, k, v, out, lse, *ctx.args, leaves, ctx.mask, dlse)
+    return (dq, dk, dv) + none
+
+
+ring_masked_attention = differentiable(ring_masked_attention_op, _ring_masked_setup, _ring_masked_backward)
+ring_masked_attention.__doc__ = """ring_masked_attention(q, k, v, is_causal, scale, valid, zigzag, group_name,
+leaves, mask) -> (out, lse): autosp::ring_masked_attention, differentiable in q, k, v (and through lse);
+see the module docstring."""
 
 
 # ---------------------------------------------------------------- zigzag_exchange

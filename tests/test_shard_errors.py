@@ -45,13 +45,23 @@ def _messages(rank, world):
     # sorting along the sequence has a rule: the exact gather
     by_pos = _attn_then(lambda a: (a.sort(dim=1).values * torch.arange(16.0).view(1, 16, 1)).sum())
     out["sort_value"] = (autosp.shard(by_pos, sp)(w, x).item(), by_pos(w, x).item())
-    # 3 heads at sp=2 run a ring (sp = 1 x 2); with a sliding-window mask the ring is refused
+    # 3 heads at sp=2 run a ring (sp = 1 x 2), with a sliding-window mask too (the mask as a function);
+    # a mask that is no function of positions (read from an input) is refused on the ring
     odd = tiny_llama(heads=3, kv_heads=3, hidden=24)
     out["heads_value"] = (autosp.shard(llama_loss(odd), sp)(params_of(odd), ids, labels).item(),
                           llama_loss(odd)(params_of(odd), ids, labels).item())
     from tests.models import tiny_hf
     window = tiny_hf("mistral", heads=3, kv_heads=3, hidden=24, sliding_window=4)
-    capture("heads", lambda: autosp.shard(llama_loss(window), sp)(params_of(window), ids, labels))
+    out["window_value"] = (autosp.shard(llama_loss(window), sp)(params_of(window), ids, labels).item(),
+                           llama_loss(window)(params_of(window), ids, labels).item())
+    w6, x6 = torch.randn(6, 6, generator=g), torch.randn(2, 16, 6, generator=g)
+    keep = torch.rand(2, 1, 16, 16, generator=g) > 0.3
+    keep |= torch.eye(16, dtype=torch.bool)
+
+    def three_heads(w, x, m):
+        q = (x @ w).view(2, 16, 3, 2).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=m).sum()
+    capture("heads", lambda: autosp.shard(three_heads, sp)(w6, x6, keep))
     capture("no_attention", lambda: autosp.shard(lambda w, x: (x @ w).sum(), sp)(w, x))
     capture("bad_spec", lambda: autosp.shard(lambda w, x: (x @ w).sum(), sp, in_specs=(None, "b (s d"))(w, x))
     capture("spec_rank", lambda: autosp.shard(lambda w, x: (x @ w).sum(), sp, in_specs=(None, "b s"))(w, x))
@@ -64,7 +74,7 @@ def _messages(rank, world):
 def test_error_messages():
     results = run_ranks(_messages, 2)
     for rank, r in enumerate(results):          # the values that ran: on every rank
-        for key in ("sort_value", "spec_value", "heads_value"):
+        for key in ("sort_value", "spec_value", "heads_value", "window_value"):
             got, want = r[key]
             assert abs(got - want) <= 1e-5 * abs(want), (rank, key, got, want)
     m = results[0]
@@ -76,7 +86,8 @@ def test_error_messages():
     nr = m["no_rule"]
     assert "cummax" in nr and "mixes positions" in nr and "test_shard_errors.py" in nr and "(sp s)" in nr \
         and "sp=2" in nr and "Fix" in nr
-    assert "3 query heads cannot be split over sp=2" in m["heads"] and "a mask" in m["heads"] and "Fix" in m["heads"]
+    assert "3 query heads cannot be split over sp=2" in m["heads"] and "a mask that is not such a function" \
+        in m["heads"] and "Fix" in m["heads"], m["heads"]
     assert "no attention" in m["no_attention"] and "in_specs" in m["no_attention"]
     assert "layout spec 'b (s d'" in m["bad_spec"]
     assert "names 2 dims but the value has shape [2, 16, 8]" in m["spec_rank"]

@@ -342,18 +342,27 @@ def _ring_attention(ctx: ShardCtx, e: Eqn, b: dict, qkv, u: int, gqa: bool) -> N
     """sp = U x R: Q, K, V all-to-all over the U ranks that hold one contiguous segment of the sequence
     (`b h (U s) d -> b (U h) s d` within it), then ring attention over the R segments (autosp/ring.py:
     K/V blocks passed around, partial outputs merged by log-sum-exp), causal work balanced by the zigzag
-    order (each ring rank holds chunks r and 2R-1-r while attention runs), and the inverse all-to-all."""
+    order (each ring rank holds chunks r and 2R-1-r while attention runs), and the inverse all-to-all.
+    A mask that mask_function reads as a function (packed documents, windows) runs as
+    autosp::ring_masked_attention with its leaves replicated and padded as on the Ulysses path."""
     from autosp import ring as RING
     q, k, v = qkv
     mask, is_causal = b["attn_mask"], bool(b["is_causal"])
     if mask is not None and is_causal_mask(ctx.constant_value(mask)):
         mask, is_causal = None, True                 # HF's causal mask tensor (cache off): never built
-    if mask is not None or b["dropout_p"]:
+    fn = None
+    if mask is not None and not b["dropout_p"] and os.environ.get("AUTOSP_MASK_FUNCTIONS", "1") != "0":
+        fn = mask_function(ctx.graph, mask, q.layout.length, math.prod(e.inputs[0].shape[:-3]), ctx.constant_value)
+        if fn is not None and any(x.name in ctx.heavy for x in fn.leaves):
+            fn = None                                # a leaf that would need a gradient: see attention_rule
+    if (mask is not None and fn is None) or b["dropout_p"]:
         raise ShardError(f"{describe(ctx, e)}: {q.shape[-3]} query heads cannot be split over sp={ctx.mesh.sp_size}, "
-                         "and ring attention (sp = all-to-all x ring) takes causal or unmasked attention without "
-                         "dropout only; this one has "
-                         + ("a mask" if mask is not None else "dropout") + ". Fix: an sp size that divides "
-                         f"the {q.shape[-3]} heads.")
+                         "and ring attention (sp = all-to-all x ring) takes causal or unmasked attention, or a mask "
+                         "that is a function of positions and per-position vectors (packed documents, windows), "
+                         "without dropout only; this one has "
+                         + ("a mask that is not such a function (read from an input, per head, or computed from "
+                            "parameters)" if mask is not None else "dropout") + ". Fix: an sp size that divides "
+                         f"the {q.shape[-3]} heads, or build the mask from position or document ids.")
     if q.ndim != 4:
         raise ShardError(f"{describe(ctx, e)}: ring attention takes [b, h, s, d] query, key and value, not "
                          f"{q.type_str()}. Fix: an sp size that divides the {q.shape[-3]} heads.")
@@ -366,14 +375,21 @@ def _ring_attention(ctx: ShardCtx, e: Eqn, b: dict, qkv, u: int, gqa: bool) -> N
     layout = Layout(2, q.layout.length, q.layout.chunk)
     if u > 1:
         q, k, v = ctx.emit(C.all_to_all, ([q, k, v], 1, 2, ugroup), source=e.source)
-    zigzag = is_causal and q.shape[2] % 2 == 0
+    # zigzag balances causal work; masks from HF (documents, windows) are causal too. The masked op
+    # evaluates its blocks at global positions, so the leaves need no exchange.
+    zigzag = (is_causal or fn is not None) and q.shape[2] % 2 == 0
     if zigzag:
         exchange = RING.zigzag_exchange_op._opoverload
         q, k, v = (ctx.emit(exchange, (t, 2, rgroup, False), source=e.source) for t in (q, k, v))
     scale = b["scale"] if b["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
     last = u == 1 and not zigzag                 # the op whose output is back in the sequence layout
-    o, _ = ctx.emit(RING.ring_attention_op._opoverload, (q, k, v, is_causal, float(scale), layout.length, zigzag, rgroup),
-                    source=e.source, layouts=[layout, None] if last else None)
+    args = (q, k, v, is_causal, float(scale), layout.length, zigzag, rgroup)
+    op = RING.ring_attention_op
+    if fn is not None:
+        # the whole ring's padded sequence is the global one: R * s = sp * chunk
+        args += (_mask_leaves(ctx, e, fn, layout.length, layout.chunk * ctx.mesh.sp_size), fn.expr)
+        op = RING.ring_masked_attention_op
+    o, _ = ctx.emit(op._opoverload, args, source=e.source, layouts=[layout, None] if last else None)
     if zigzag:
         o = ctx.emit(RING.zigzag_exchange_op._opoverload, (o, 2, rgroup, True), source=e.source,
                      layouts=None if u > 1 else [layout])
@@ -385,6 +401,15 @@ def _ring_attention(ctx: ShardCtx, e: Eqn, b: dict, qkv, u: int, gqa: bool) -> N
 def _masked_attention(ctx: ShardCtx, e: Eqn, fn, qkv, length: int, padded: int, scale) -> Var:
     """autosp::masked_attention on the head-sharded q, k, v: the mask's leaves replicated (O(b s)),
     viewed [batch, Lq or 1, Lk or 1] and padded to whole chunks; keys past `length` are padding."""
+    leaves = _mask_leaves(ctx, e, fn, length, padded)
+    from autosp.kernels.masked import masked_attention_op
+    o2, _ = ctx.emit(masked_attention_op._opoverload, tuple(qkv) + (leaves, fn.expr, scale, length, "auto"),
+                     source=e.source)
+    return o2
+
+
+def _mask_leaves(ctx: ShardCtx, e: Eqn, fn, length: int, padded: int) -> list[Var]:
+    """The mask's leaves replicated (O(b s)), viewed [batch, Lq or 1, Lk or 1], padded to `padded`."""
     leaves = []
     for leaf, side in zip(fn.leaves, fn.sides):
         t = ctx.as_replicated(leaf, e.source)
@@ -394,10 +419,7 @@ def _masked_attention(ctx: ShardCtx, e: Eqn, fn, qkv, length: int, padded: int, 
             pad = [0, 0, 0, padded - length] if side == "q" else [0, padded - length]
             t = ctx.emit(aten.constant_pad_nd.default, (t, pad, 0), source=e.source)
         leaves.append(t)
-    from autosp.kernels.masked import masked_attention_op
-    o2, _ = ctx.emit(masked_attention_op._opoverload, tuple(qkv) + (leaves, fn.expr, scale, length, "auto"),
-                     source=e.source)
-    return o2
+    return leaves
 
 
 def region_rule(ctx: ShardCtx, graph, region) -> None:

@@ -82,21 +82,26 @@ def _bytes(vs) -> int:
     return sum(v.numel() * v.dtype.itemsize for v in vs if isinstance(v, Var) and v.dtype is not None)
 
 
+# ring attention's ops (autosp/ring.py): the masked variant's arguments begin as the plain one's
+RING_FORWARD = ("ring_attention", "ring_masked_attention")
+RING_OPS = RING_FORWARD + ("ring_attention_backward", "ring_masked_attention_backward")
+
+
 def ring_size(e: Eqn) -> int:
     """R of a ring attention equation: its group's size, or the padded length over the local one."""
     from autosp.collectives import group_size
     args = e.var_args()[0]
     try:
-        return group_size(args[-1] if e.op.name == "ring_attention" else args[10])
+        return group_size(args[7] if e.op.name in RING_FORWARD else args[10])
     except Exception:  # noqa: BLE001 - planned away from its process group
-        valid, s = (args[5], e.inputs[0].shape[-2]) if e.op.name == "ring_attention" else (args[8], e.inputs[1].shape[-2])
+        valid, s = (args[5], e.inputs[0].shape[-2]) if e.op.name in RING_FORWARD else (args[8], e.inputs[1].shape[-2])
         return -(-valid // s)
 
 
 def _ring_cost(e: Eqn, device: Device) -> Cost:
     # this rank's queries against every key of the ring (causal: half of the pairs), and (R-1) K/V blocks
     # over the link (the backward: K/V and their fp32 gradients)
-    fwd = e.op.name == "ring_attention"
+    fwd = e.op.name in RING_FORWARD
     q, k, v = (e.inputs[0], e.inputs[1], e.inputs[2]) if fwd else (e.inputs[1], e.inputs[2], e.inputs[3])
     causal = e.var_args()[0][3 if fwd else 6]
     r = ring_size(e)
@@ -108,7 +113,7 @@ def _ring_cost(e: Eqn, device: Device) -> Cost:
 
 
 def eqn_cost(e: Eqn, device: Device) -> Cost:
-    if e.op.name in ("ring_attention", "ring_attention_backward"):
+    if e.op.name in RING_OPS:
         return _ring_cost(e, device)
     if e.op.has(Tag.COLLECTIVE) or e.op.name in ("all_to_all", "all_reduce_sum", "all_gather_seq"):
         # the whole tensor crosses the links: a gather's output, a reduce-scatter's input

@@ -48,12 +48,15 @@ WORKSPACE = {
     # output (forward) or of dQ and the travelling dK/dV (backward)
     "ring_attention": lambda e: _ring_workspace(e, forward=True),
     "ring_attention_backward": lambda e: _ring_workspace(e, forward=False),
+    # the masked variant's blocks run the math path: their scores are counted in _ring_workspace
+    "ring_masked_attention": lambda e: _ring_workspace(e, forward=True, masked=True),
+    "ring_masked_attention_backward": lambda e: _ring_workspace(e, forward=False, masked=True),
     "zigzag_exchange": lambda e: 2 * _bytes_in(e),
     "reduce_scatter_param": lambda e: _reduce_scatter_param(e),
 }
 
 
-def _ring_workspace(e: Eqn, forward: bool) -> int:
+def _ring_workspace(e: Eqn, forward: bool, masked: bool = False) -> int:
     """Ring attention (autosp/ring.py), counted from what the op allocates: the K/V block in flight, fp32
     accumulators (the output and its lse; dQ and this rank's share of dK/dV, the travelling dK/dV received
     and sent), contiguous copies of the query-side slots (zigzag), and one block's temporaries: its K/V
@@ -75,6 +78,8 @@ def _ring_workspace(e: Eqn, forward: bool) -> int:
         # and lse are counted with the merge, which outlives it)
         block = expanded + nbytes(q) * f + ct * rows * f
         kernel = 4 * (torch.get_num_threads() * (qs * ks + 2 * qs + qs * q.shape[-1]))
+        if masked:                                   # the math path: one block's scores (estimated, unmeasured)
+            kernel = ct * rows * f * blk
     else:
         from autosp.remat.cost import ring_size
         r = ring_size(e)
@@ -87,6 +92,8 @@ def _ring_workspace(e: Eqn, forward: bool) -> int:
         # the block's K/V slots (zigzag), K/V expanded to the query heads, the kernel's dQ, dK, dV (expanded)
         block = kv * f * (1 if zigzag else 0) + expanded + nbytes(q) * f + (expanded or kv * f)
         kernel = 4 * (torch.get_num_threads() * 2 * qs * ks + q.numel() * f + qs)
+        if masked:                                   # P and dS of one block, the slots' rows (estimated)
+            kernel = ct * (2 * rows * f * blk + 2 * q.numel() + rows)
         return int(copies + acc + block + kernel)
     return int(kv + copies + acc + block + kernel)
 
