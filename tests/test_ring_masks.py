@@ -184,8 +184,8 @@ def test_llama_packed_documents_on_a_ring():
 
 def test_mistral_sliding_window_on_a_ring_of_4():
     """sliding_window=8 at sp=4 with ring=4 (U=1): 32 (zigzag order) and 35, not divisible by 4 (chunks of 9:
-    the contiguous order, padding)."""
-    assert_every_rank(run_ranks(_model_job, 4, [("mistral", 32, 4), ("mistral", 35, 4)]))
+    the contiguous order, padding); and through a ring of 2 after an all-to-all over 2 (ring=2)."""
+    assert_every_rank(run_ranks(_model_job, 4, [("mistral", 32, 4), ("mistral", 35, 4), ("mistral", 40, 2)]))
 
 
 def _budget_job(rank, world, budget):
