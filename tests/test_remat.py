@@ -87,7 +87,8 @@ def test_remat_is_exact_at_every_budget(dims):
     assert len(set(plans[0])) == len(plans[0])          # different budgets, different plans
 
 
-def _memory_job(rank, world, s, budgets):
+def _memory_job(rank, world, s, budgets, ring=None):
+    """Per budget: (budget, measured peak, plan.peak_bytes, no-remat peak); `ring` as autosp.shard's."""
     from torch.distributed.device_mesh import init_device_mesh
     from autosp.memory import peak_bytes
     from tests.models import batch, llama_loss, params_of, tiny_llama
@@ -103,9 +104,9 @@ def _memory_job(rank, world, s, budgets):
             b, host = b
         if b == "least":                                      # the least budget the planner accepts, as its error says
             with pytest.raises(autosp.remat.BudgetError) as info:
-                autosp.plan(fn, mesh, params, ids, labels, memory_budget=1, host_bandwidth=host)
+                autosp.plan(fn, mesh, params, ids, labels, memory_budget=1, host_bandwidth=host, ring=ring)
             b = info.value.least_peak_bytes
-        vg = autosp.value_and_grad(fn, mesh, memory_budget=b, host_bandwidth=host)
+        vg = autosp.value_and_grad(fn, mesh, memory_budget=b, host_bandwidth=host, ring=ring)
         vg(params, ids, labels)                               # compile outside the measurement
         measured, _ = peak_bytes(lambda: vg(params, ids, labels))
         plan = vg.sharded.plan(autosp.api._differentiable(params), ids, labels)

@@ -95,30 +95,11 @@ def test_plan_accepts_an_sp_beyond_the_heads():
     assert "none" not in row, row
 
 
-def _memory_job(rank, world, s, ring, budgets):
-    import autosp
-    from autosp.memory import peak_bytes
-    from torch.distributed.device_mesh import init_device_mesh
-    from tests.models import batch, llama_loss, params_of, tiny_llama
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
-    torch.manual_seed(0)
-    model = tiny_llama(layers=4, hidden=64, heads=4, kv_heads=2, vocab=128)
-    fn, params = llama_loss(model), params_of(model)
-    ids, labels = batch(1, s, 128, pad=5)
-    out = []
-    for b in budgets:
-        vg = autosp.value_and_grad(fn, mesh, memory_budget=b, ring=ring)
-        vg(params, ids, labels)                               # compile outside the measurement
-        measured, _ = peak_bytes(lambda: vg(params, ids, labels))
-        plan = vg.sharded.plan(autosp.api._differentiable(params), ids, labels)
-        out.append((b, measured, plan.peak_bytes))
-    return out
-
-
 def test_measured_peak_with_the_ring_is_the_planned():
     """4-layer Llama, s=1024, sp=4 as U=2 x R=2: the profiler's peak per rank against plan.peak_bytes with
     and without recomputation (the ring ops' buffers are in the memory model: measured 5,368,844 /
     3,206,156 / 2,381,324 B against 5,368,836 / 3,206,148 / 2,406,148 predicted at 1.0 / 0.6 / 0.45)."""
-    for rows in run_ranks(_memory_job, 4, 1024, 2, [1.0, 0.6, 0.45], fresh=True):
-        for b, measured, predicted in rows:
+    from tests.test_remat import _memory_job
+    for rows in run_ranks(_memory_job, 4, 1024, [1.0, 0.6, 0.45], 2, fresh=True):
+        for b, measured, predicted, _ in rows:
             assert abs(predicted - measured) <= 0.05 * measured, (b, measured, predicted)
