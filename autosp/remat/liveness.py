@@ -78,7 +78,7 @@ def _ring_workspace(e: Eqn, forward: bool, masked: bool = False) -> int:
         # and lse are counted with the merge, which outlives it)
         block = expanded + nbytes(q) * f + ct * rows * f
         kernel = 4 * (torch.get_num_threads() * (qs * ks + 2 * qs + qs * q.shape[-1]))
-        if masked:                                   # the math path: one block's scores (estimated, unmeasured)
+        if masked:                                   # the math path: one block's scores
             kernel = ct * rows * f * blk
     else:
         from autosp.remat.cost import ring_size
@@ -92,8 +92,8 @@ def _ring_workspace(e: Eqn, forward: bool, masked: bool = False) -> int:
         # the block's K/V slots (zigzag), K/V expanded to the query heads, the kernel's dQ, dK, dV (expanded)
         block = kv * f * (1 if zigzag else 0) + expanded + nbytes(q) * f + (expanded or kv * f)
         kernel = 4 * (torch.get_num_threads() * 2 * qs * ks + q.numel() * f + qs)
-        if masked:                                   # P and dS of one block, the slots' rows (estimated)
-            kernel = ct * (2 * rows * f * blk + 2 * q.numel() + rows)
+        if masked:                                   # one block's scores at a time and the slots' rows
+            kernel = ct * (rows * f * blk + 2 * q.numel() + rows)
         return int(copies + acc + block + kernel)
     return int(kv + copies + acc + block + kernel)
 
