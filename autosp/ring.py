@@ -53,14 +53,19 @@ block uses the flash identity with the merged lse and the final out (delta = row
 path when dlse is given).
 
 Bytes each rank sends (`ring_send_bytes`), ct = fp32 (fp64 for fp64 inputs):
-  forward   (R-1) * (k.nbytes + v.nbytes)
-  backward  (R-1) * (k.nbytes + v.nbytes) + R * (k.numel() + v.numel()) * ct.itemsize
+  forward   S * (k.nbytes + v.nbytes), S = the K/V sends (R-1 at most; fewer where skipped, below)
+  backward  S * (k.nbytes + v.nbytes) + R * (k.numel() + v.numel()) * ct.itemsize
   zigzag_exchange  at most x.nbytes (the chunks that change rank).
 
+K/V travel only while a rank further on the ring needs them (`kv_transfers`): every rank evaluates
+which blocks run on every rank (padding, causality, the mask from its replicated leaves) and skips
+the sends and receives of blocks no later rank needs; a causal contiguous ring then sends rank j's
+block j+1 times instead of R-1 (rank R-1 sends none), a sliding window only as far as it reaches.
+The travelling dK/dV still make the whole ring home. Deciding costs R times the mask evaluations of
+the blocks a rank runs.
+
 Not done yet: a fused kernel for the masked variant's blocks (the math path materialises one
-block's scores); a cost (remat/cost.py) that counts the blocks a mask skips; skipping the
-transfers a causal contiguous ring never uses (rank R-1's sends;
-the zigzag layout uses every block, so it would gain nothing there); Triton/flash kernels per
+block's scores); a cost (remat/cost.py) that counts the blocks a mask skips; Triton/flash kernels per
 block on GPU (the blocks run torch_forward/torch_backward: the fused SDPA kernel on CPU, the
 math path elsewhere); a flop formula for torch.utils.flop_counter (it needs R, which the
 shape-only formula does not see); double backward.
@@ -126,10 +131,36 @@ def ring_schedule(R: int, j: int, zigzag: bool, causal: bool) -> tuple[RingStep,
     return tuple(steps)
 
 
-def ring_send_bytes(k: Tensor, v: Tensor, R: int) -> tuple[int, int]:
-    """(forward, backward) bytes one rank sends: see the module docstring."""
+def kv_transfers(R: int, j: int, needs) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    """(send, recv) per step of ring rank j: whether it passes the K/V block it holds on, and whether it
+    receives the next. needs[r][o]: ring rank r computes at least one block with the K/V of rank o. A
+    block travels only while a rank further on the ring needs it; every rank decides alike from `needs`,
+    so a send is skipped exactly where its receive is."""
+    def onward(o: int, t: int) -> bool:          # the block of rank o, held at step t: needed later?
+        return any(needs[(o + u) % R][o] for u in range(t + 1, R))
+    send = tuple(t < R - 1 and onward((j - t) % R, t) for t in range(R))
+    recv = tuple(t < R - 1 and onward((j - 1 - t) % R, t) for t in range(R))
+    return send, recv
+
+
+def schedule_needs(R: int, zigzag: bool, causal: bool, runs=None) -> list[list[bool]]:
+    """needs[r][o] of `kv_transfers` from the schedules; `runs(r, step, blk)` says whether a block runs
+    (padding, a mask), by default every scheduled block."""
+    needs = [[False] * R for _ in range(R)]
+    for r in range(R):
+        for step in ring_schedule(R, r, zigzag, causal):
+            if any(runs is None or runs(r, step, blk) for blk in step.blocks):
+                needs[r][step.source] = True
+    return needs
+
+
+def ring_send_bytes(k: Tensor, v: Tensor, R: int, j: Optional[int] = None, zigzag: bool = True,
+                    causal: bool = True) -> tuple[int, int]:
+    """(forward, backward) bytes one rank sends: see the module docstring. With the rank `j`, the K/V
+    transfers it skips (a causal contiguous ring: blocks no later rank needs) are not counted."""
     kv = k.numel() * k.element_size() + v.numel() * v.element_size()
-    return (R - 1) * kv, (R - 1) * kv + R * (k.numel() + v.numel()) * _compute_dtype(k.dtype).itemsize
+    sends = R - 1 if j is None else sum(kv_transfers(R, j, schedule_needs(R, zigzag, causal))[0])
+    return sends * kv, sends * kv + R * (k.numel() + v.numel()) * _compute_dtype(k.dtype).itemsize
 
 
 # ---------------------------------------------------------------- checks
@@ -168,8 +199,9 @@ def _check(op: str, q, k, v, scale, valid: int, zigzag: bool, R: Optional[int] =
 # ---------------------------------------------------------------- transfers
 
 def _transfer(sends, like, to: int, frm: int, group, tag: int):
-    """isend `sends` to ring rank `to` and irecv tensors shaped like `like` from `frm`, one batch;
-    each tensor its own tag (two equal-sized tensors to one peer must not be matched crosswise)."""
+    """isend `sends` to ring rank `to` and irecv tensors shaped like `like` from `frm`, one batch
+    (either list may be empty); each tensor its own tag (two equal-sized tensors to one peer must not
+    be matched crosswise)."""
     recvs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in like]
     dst, src = dist.get_global_rank(group, to), dist.get_global_rank(group, frm)
     ops = [dist.P2POp(dist.isend, t, dst, group, tag + i) for i, t in enumerate(sends)]
@@ -228,6 +260,16 @@ class _BlockMask:
         return m & seen if m.dtype == torch.bool else m.masked_fill(~seen, float("-inf"))
 
 
+def _kv_plan(R: int, j: int, zigzag: bool, causal: bool, ch, bm, device):
+    """kv_transfers for this call: a block runs where its keys are not all padding and (masked variant)
+    the mask lets some pair through; every rank evaluates every rank's blocks alike (the mask's leaves
+    are replicated), so senders and receivers agree."""
+    def runs(r, step, blk):
+        n = ch.keys(blk.k_chunk)
+        return n > 0 and (bm is None or bm.on(blk, n, device) is not False)
+    return kv_transfers(R, j, schedule_needs(R, zigzag, causal, runs))
+
+
 def _masked_block_forward(q: Tensor, k: Tensor, v: Tensor, mask, scale: float) -> tuple[Tensor, Tensor]:
     """(out, lse) of one block by the math path, in q's (compute) dtype: q [b, hq, c, d] against
     k, v [b, hkv, n, d] under mask (None or [B or 1, c, n]); a row masked whole gives 0 and -inf."""
@@ -267,11 +309,13 @@ def _ring_forward(q, k, v, is_causal, scale, valid, zigzag, group_name, leaves=N
     lse = torch.full(q.shape[:3], float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
     qs = [ch.slot(q, i).to(ct if bm else q.dtype).contiguous() for i in range(2 if zigzag else 1)]
     kv = [k.contiguous(), v.contiguous()]
-    for step in ring_schedule(R, j, zigzag, is_causal):
+    send, recv = _kv_plan(R, j, zigzag, is_causal, ch, bm, q.device)
+    for t, step in enumerate(ring_schedule(R, j, zigzag, is_causal)):
         nxt = reqs = None
-        if step.send_to is not None:      # posted first: on CUDA it overlaps the blocks below
-            nxt, reqs = _transfer(kv, kv, step.send_to, step.recv_from, group, tag=0)
-        for blk in step.blocks:
+        if send[t] or recv[t]:            # posted first: on CUDA it overlaps the blocks below
+            nxt, reqs = _transfer(kv if send[t] else [], (k, v) if recv[t] else [], step.send_to, step.recv_from,
+                                  group, tag=0)
+        for blk in step.blocks if kv is not None else ():
             n = ch.keys(blk.k_chunk)
             if n == 0:
                 continue
@@ -286,8 +330,9 @@ def _ring_forward(q, k, v, is_causal, scale, valid, zigzag, group_name, leaves=N
             _merge(ch.slot(out, blk.q_slot), lse.narrow(2, blk.q_slot * ch.c, ch.c), o, l)
         if reqs is not None:
             _wait(reqs)
+        if kv is not None and t < R - 1:
             _release(*kv, keep=(k, v))
-            kv = nxt
+        kv = nxt if recv[t] else None
     return out.to(q.dtype), lse
 
 
@@ -325,12 +370,14 @@ def _ring_backward_impl(do, q, k, v, out, lse, is_causal, scale, valid, zigzag, 
     kv = [k.contiguous(), v.contiguous()]
     dkv = dkv_reqs = None        # the travelling grads of the block held now, once they arrive
     sent: list[Tensor] = []      # grads this rank sent, kept until their transfer completes
-    for step in ring_schedule(R, j, zigzag, is_causal):
+    send, recv = _kv_plan(R, j, zigzag, is_causal, ch, bm, q.device)
+    for t, step in enumerate(ring_schedule(R, j, zigzag, is_causal)):
         nxt = kv_reqs = None
-        if step.send_to is not None:
-            nxt, kv_reqs = _transfer(kv, kv, step.send_to, step.recv_from, group, tag=0)
-        acc = [torch.zeros(t.shape, dtype=ct, device=t.device) for t in kv]     # this rank's share
-        for blk in step.blocks:
+        if send[t] or recv[t]:
+            nxt, kv_reqs = _transfer(kv if send[t] else [], (k, v) if recv[t] else [], step.send_to,
+                                     step.recv_from, group, tag=0)
+        acc = [torch.zeros(x.shape, dtype=ct, device=x.device) for x in (k, v)]    # this rank's share
+        for blk in step.blocks if kv is not None else ():
             n = ch.keys(blk.k_chunk)
             if n == 0:
                 continue
@@ -358,8 +405,9 @@ def _ring_backward_impl(do, q, k, v, out, lse, is_causal, scale, valid, zigzag, 
             sent, (dkv, dkv_reqs) = dkv, _transfer(dkv, dkv, (j + 1) % R, (j - 1) % R, group, tag=2)
         if kv_reqs is not None:
             _wait(kv_reqs)
+        if kv is not None and t < R - 1:
             _release(*kv, keep=(k, v))
-            kv = nxt
+        kv = nxt if recv[t] else None
     if dkv_reqs is not None:
         _wait(dkv_reqs)
         _release(*sent)

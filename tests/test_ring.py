@@ -215,7 +215,8 @@ def _traffic_job(rank, world, zigzag):
         fq, fk, fv = (mode.from_tensor(t.detach()) for t in (q, k, v))
         fake = ring_attention_op(fq, fk, fv, True, 0.25, 4 * s, zigzag, name)
     strides = [(tuple(r.stride()), tuple(f.stride())) for r, f in zip((out, lse), fake)]
-    return dict(fwd=fwd, bwd=bwd, expect=ring.ring_send_bytes(k, v, 4), blocks=blocks[0], strides=strides,
+    return dict(fwd=fwd, bwd=bwd, expect=ring.ring_send_bytes(k, v, 4, rank, zigzag, True), blocks=blocks[0],
+                strides=strides,
                 func_ok=func_ok,
                 schedule=sum(len(step.blocks) for step in ring_schedule(4, rank, zigzag, True)))
 
@@ -311,3 +312,23 @@ def _valid_bound_job(rank, world):
 def test_valid_beyond_the_ring_is_an_error():
     for msg in run_ranks(_valid_bound_job, WORLD):
         assert "valid=33 is not in [1, R*s = 32]" in msg and msg.endswith("positions of the full sequence"), msg
+
+
+def test_kv_travels_only_while_a_rank_further_on_needs_it():
+    """The transfer plan every rank computes alike: a causal contiguous ring of 4 sends rank j's block j + 1
+    times (rank 3 none); zigzag needs every block everywhere; a window reaching one chunk back sends each
+    block once, to the next rank only. Sends and receives match across the ring."""
+    from autosp.ring import kv_transfers, schedule_needs
+    R = 4
+
+    def plan(needs):
+        plans = [kv_transfers(R, j, needs) for j in range(R)]
+        for j in range(R):                       # rank j's send at step t is rank j+1's receive at step t
+            assert plans[j][0] == plans[(j + 1) % R][1], (j, plans)
+        return [sum(p[0]) for p in plans]
+
+    assert plan(schedule_needs(R, False, True)) == [1, 2, 3, 0]
+    assert plan(schedule_needs(R, True, True)) == [3, 3, 3, 3]
+    assert plan(schedule_needs(R, False, False)) == [3, 3, 3, 3]
+    window = [[r - o in (0, 1) for o in range(R)] for r in range(R)]
+    assert plan(window) == [1, 1, 1, 0]
