@@ -109,11 +109,12 @@ class Sharded:
                 f"shapes or dtypes:\n  rank {mine}: {sigs[mine][:400]}\n  rank {other}: {sigs[other][:400]}\n"
                 "Fix: every rank of an sp group passes the same global batch (shard along dp instead).")
 
-    def graphs(self, *args) -> tuple[Graph, Graph]:
+    def graphs(self, *args, shards=None) -> tuple[Graph, Graph]:
         """(global trace, per-rank sharded graph) for these arguments. DTensor parameters (FSDP2's
-        layout) are traced with their global shapes and gathered in the per-rank graph."""
+        layout) are traced with their global shapes and gathered in the per-rank graph; `shards`:
+        _param_shards(args), where the caller has them."""
         self._check_args(args)
-        shards = self._param_shards(args)
+        shards = self._param_shards(args) if shards is None else shards
         traced = args
         if any(is_dtensor(x) for x in pytree.tree_leaves(args)):
             from torch._subclasses.fake_tensor import FakeTensorMode
@@ -149,7 +150,7 @@ class Sharded:
             shards = self._param_shards(args)          # a DTensor autosp cannot read fails here, on every rank
             paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(args)[0]]
             self._agree(key[1], leaves, paths)
-            _, local = self.graphs(*args)
+            _, local = self.graphs(*args, shards=shards)
             if self.memory_budget is None:
                 hit = (local, lower(local), None, shards)
             else:
@@ -335,6 +336,7 @@ def model_state_summary(local: Graph) -> str:
     """One line per sharded parameter of the per-rank program: its shard, what the gather moves and where
     it is issued, and the gradient's reduce-scatter ("" when no parameter is sharded)."""
     from autosp.ir.core import dtype_short
+    from autosp.remat.plan import _fmt as _fmt_bytes
     eqns = list(local.eqns)
     gathers = [(i, e) for i, e in enumerate(eqns) if e.op.name == "all_gather_param"]
     if not gathers:
@@ -362,13 +364,6 @@ def model_state_summary(local: Graph) -> str:
     return "\n".join(lines)
 
 
-def _fmt_bytes(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
 def attention_summary(local: Graph, device: str, sp: int | None = None) -> str:
     """One line per attention of the per-rank program: what its mask is and what runs it (the kernel
     lowering picks, autosp/kernels/dispatch.py)."""
@@ -385,17 +380,18 @@ def attention_summary(local: Graph, device: str, sp: int | None = None) -> str:
                          f"no s x s tensor, memory O(block * s); {kernel}")
         elif e.op.name in ("ring_attention", "ring_masked_attention"):
             from autosp.remat.cost import ring_size
+            from autosp.remat.plan import _fmt as _fmt_bytes
+            from autosp.ring import ring_send_bytes
             args = e.var_args()[0]
             r = ring_size(e)
             k, v = e.inputs[1], e.inputs[2]
-            sent = (r - 1) * (k.nbytes() + v.nbytes())
+            sent, sent_back = ring_send_bytes(*(torch.empty(t.shape, dtype=t.dtype, device="meta") for t in (k, v)), r)
             split = f"sp {sp} = all-to-all over {sp // r} x ring over {r}" if sp else f"a ring over {r} ranks"
             what = f"mask = {args[9]} (no s x s tensor)" if len(args) > 9 else 'causal' if args[3] else 'no mask'
             lines.append(f"  {e.op.name}{where}: {what}, {split}, "
                          f"{'zigzag order (balanced causal work)' if args[6] else 'contiguous order'}; "
                          f"per layer and rank it sends {_fmt_bytes(sent)} forward (R-1 K/V blocks of "
-                         f"{_fmt_bytes(k.nbytes() + v.nbytes())}), {_fmt_bytes(sent + r * 4 * (k.numel() + v.numel()))} "
-                         "backward")
+                         f"{_fmt_bytes(k.nbytes() + v.nbytes())}), {_fmt_bytes(sent_back)} backward")
         elif e.op.name == "flash_attention":
             lines.append(f"  flash_attention{where}: {'causal' if e.var_args()[0][3] else 'no mask'}, autosp's Triton "
                          "kernel (called directly)")

@@ -92,10 +92,8 @@ def shard_params(params, mesh, *, param_dtype: torch.dtype | None = None, reduce
                 if p is None:
                     continue
                 if id(p) not in done:                 # a tied weight is sharded once and shared again
-                    new = nn.Parameter(shard(p, p.requires_grad), requires_grad=p.requires_grad)
-                    if param_dtype is not None or reduce_dtype is not None:
-                        setattr(new, _MP_ATTR, (param_dtype, reduce_dtype))
-                    done[id(p)] = new
+                    inner = shard(p, p.requires_grad)
+                    done[id(p)] = keep_policy(inner, nn.Parameter(inner, requires_grad=p.requires_grad))
                 module._parameters[name] = done[id(p)]
         return params
     if isinstance(params, dict):

@@ -268,34 +268,22 @@ def attention_rule(ctx: ShardCtx, e: Eqn) -> None:
         if t.layout is None or t.layout.dim != t.ndim - 2 or t.ndim < 3:
             raise ShardError(f"{describe(ctx, e)}: the {name} is not sharded along its sequence dim (-2). "
                              "Fix: pass in_specs naming the sequence dim of the inputs.")
-    hq, hkv = q.shape[-3], k.shape[-3]
+    hq = q.shape[-3]
     u = ulysses_size(ctx, e, hq)
     if u < p:                                   # heads run out: all-to-all over u ranks, a ring over p / u
         return _ring_attention(ctx, e, b, (q, k, v), u, gqa)
-    if hkv % p:
-        rep = math.lcm(hkv, p) // hkv         # replicate KV heads so that each rank gets whole groups
-        k = ctx.emit(aten.repeat_interleave.self_int, (k, rep, k.ndim - 3), source=e.source, layouts=[k.layout])
-        v = ctx.emit(aten.repeat_interleave.self_int, (v, rep, v.ndim - 3), source=e.source, layouts=[v.layout])
+    k, v = _whole_kv_groups(ctx, e, k, v, p)
     hdim = q.ndim - 3
     q2, k2, v2 = ctx.emit(C.all_to_all, ([q, k, v], hdim, hdim + 1, ctx.mesh.sp_group), source=e.source)
     length, padded = q.layout.length, q.layout.chunk * p
-    mask = b["attn_mask"]
-    is_causal = b["is_causal"]
-    if mask is not None and is_causal_mask(ctx.constant_value(mask)):
-        # the user's mask is the causal one (HF builds it when the cache is off): the flash path,
-        # and the s x s mask is never built (its equations are dead code)
-        mask, is_causal = None, True
-    if mask is not None and not b["dropout_p"] and os.environ.get("AUTOSP_MASK_FUNCTIONS", "1") != "0":
-        fn = mask_function(ctx.graph, mask, length, math.prod(q_old.shape[:-3]), ctx.constant_value)
-        if fn is not None and not any(x.name in ctx.heavy for x in fn.leaves):
-            # the mask as a function of O(s) leaves: no s x s tensor on any rank. (A leaf computed from
-            # parameters or float inputs would need a gradient, which the op does not give its leaves:
-            # such a mask keeps the tensor path.)
-            o2 = _masked_attention(ctx, e, fn, (q2, k2, v2), length, padded, b["scale"])
-            (o,) = ctx.emit(C.all_to_all, ([o2], hdim + 1, hdim, ctx.mesh.sp_group), source=e.source,
-                            layouts=[Layout(q.ndim - 2, length, q.layout.chunk)])
-            ctx.env[e.outputs[0].name] = o
-            return
+    mask, is_causal, fn = _read_mask(ctx, e, b, length)
+    if fn is not None:
+        # the mask as a function of O(s) leaves: no s x s tensor on any rank
+        o2 = _masked_attention(ctx, e, fn, (q2, k2, v2), length, padded, b["scale"])
+        (o,) = ctx.emit(C.all_to_all, ([o2], hdim + 1, hdim, ctx.mesh.sp_group), source=e.source,
+                        layouts=[Layout(q.ndim - 2, length, q.layout.chunk)])
+        ctx.env[e.outputs[0].name] = o
+        return
     if mask is not None:
         if mask.ndim >= 3 and mask.shape[-3] != 1:
             raise ShardError(f"{describe(ctx, e)}: a per-head attention mask ({mask.type_str()}) is not sharded "
@@ -313,6 +301,33 @@ def attention_rule(ctx: ShardCtx, e: Eqn) -> None:
     (o,) = ctx.emit(C.all_to_all, ([o2], hdim + 1, hdim, ctx.mesh.sp_group), source=e.source,
                     layouts=[Layout(q.ndim - 2, length, q.layout.chunk)])
     ctx.env[e.outputs[0].name] = o
+
+
+def _read_mask(ctx: ShardCtx, e: Eqn, b: dict, length: int):
+    """(mask, is_causal, fn) of an SDPA equation: HF's causal mask tensor (cache off) becomes is_causal, so
+    the s x s mask is never built (its equations are dead code); `fn` is the mask as a function of O(s)
+    leaves (masks.py), or None where it is not one. A leaf computed from parameters or float inputs would
+    need a gradient, which the attention ops do not give their leaves: such a mask stays a tensor."""
+    mask, is_causal = b["attn_mask"], b["is_causal"]
+    if mask is not None and is_causal_mask(ctx.constant_value(mask)):
+        return None, True, None
+    fn = None
+    if mask is not None and not b["dropout_p"] and os.environ.get("AUTOSP_MASK_FUNCTIONS", "1") != "0":
+        fn = mask_function(ctx.graph, mask, length, math.prod(e.inputs[0].shape[:-3]), ctx.constant_value)
+        if fn is not None and any(x.name in ctx.heavy for x in fn.leaves):
+            fn = None
+    return mask, is_causal, fn
+
+
+def _whole_kv_groups(ctx: ShardCtx, e: Eqn, k: Var, v: Var, ranks: int) -> tuple[Var, Var]:
+    """K and V with their heads repeated to a multiple of `ranks`, so each rank of an all-to-all over
+    them gets whole GQA groups."""
+    hkv = k.shape[-3]
+    if hkv % ranks == 0:
+        return k, v
+    rep = math.lcm(hkv, ranks) // hkv
+    return tuple(ctx.emit(aten.repeat_interleave.self_int, (t, rep, t.ndim - 3), source=e.source,
+                          layouts=[t.layout]) for t in (k, v))
 
 
 def ulysses_size(ctx: ShardCtx, e: Eqn, heads: int) -> int:
@@ -347,14 +362,8 @@ def _ring_attention(ctx: ShardCtx, e: Eqn, b: dict, qkv, u: int, gqa: bool) -> N
     autosp::ring_masked_attention with its leaves replicated and padded as on the Ulysses path."""
     from autosp import ring as RING
     q, k, v = qkv
-    mask, is_causal = b["attn_mask"], bool(b["is_causal"])
-    if mask is not None and is_causal_mask(ctx.constant_value(mask)):
-        mask, is_causal = None, True                 # HF's causal mask tensor (cache off): never built
-    fn = None
-    if mask is not None and not b["dropout_p"] and os.environ.get("AUTOSP_MASK_FUNCTIONS", "1") != "0":
-        fn = mask_function(ctx.graph, mask, q.layout.length, math.prod(e.inputs[0].shape[:-3]), ctx.constant_value)
-        if fn is not None and any(x.name in ctx.heavy for x in fn.leaves):
-            fn = None                                # a leaf that would need a gradient: see attention_rule
+    mask, is_causal, fn = _read_mask(ctx, e, b, q.layout.length)
+    is_causal = bool(is_causal)
     if (mask is not None and fn is None) or b["dropout_p"]:
         raise ShardError(f"{describe(ctx, e)}: {q.shape[-3]} query heads cannot be split over sp={ctx.mesh.sp_size}, "
                          "and ring attention (sp = all-to-all x ring) takes causal or unmasked attention, or a mask "
@@ -366,11 +375,7 @@ def _ring_attention(ctx: ShardCtx, e: Eqn, b: dict, qkv, u: int, gqa: bool) -> N
     if q.ndim != 4:
         raise ShardError(f"{describe(ctx, e)}: ring attention takes [b, h, s, d] query, key and value, not "
                          f"{q.type_str()}. Fix: an sp size that divides the {q.shape[-3]} heads.")
-    hkv = k.shape[-3]
-    if hkv % u:
-        rep = math.lcm(hkv, u) // hkv
-        k = ctx.emit(aten.repeat_interleave.self_int, (k, rep, 1), source=e.source, layouts=[k.layout])
-        v = ctx.emit(aten.repeat_interleave.self_int, (v, rep, 1), source=e.source, layouts=[v.layout])
+    k, v = _whole_kv_groups(ctx, e, k, v, u)
     ugroup, rgroup = C.ring_groups(ctx.mesh.sp_ranks, u)
     layout = Layout(2, q.layout.length, q.layout.chunk)
     if u > 1:
