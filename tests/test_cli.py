@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from autosp.cli import main
+from autosp.errors import AutospError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
@@ -360,7 +361,7 @@ def test_plan_orders_the_three_configurations(model):
     assert set(rows) == {"no SP", "SP=2, no remat", "SP=2, ILP plan (save/recompute)"}, text
     assert rows["no SP"] < rows["SP=2, no remat"] <= rows["SP=2, ILP plan (save/recompute)"]
     assert all(v % 128 == 0 for v in rows.values())
-    assert "off by 0 bytes" in text                          # the affine model, re-checked by a third trace
+    assert "replayed at" in text and "exactly" in text       # the ILP plan priced at both probe lengths
     # sharded by default: the step is traced with the shards, so without remat it gathers every parameter
     # once and reduce-scatters its gradient once: (P-1) x the fp32 shard each way, at P = 2
     master = 69_824 * 4 // 2                                 # CONFIG's 69,824 parameters, fp32, over 2 ranks
@@ -375,6 +376,29 @@ def test_plan_orders_the_three_configurations(model):
     assert f"model state per rank (replicated over sp and dp): parameters {fmt(2 * master)}," in old, old
     assert "Gradients are all-reduced over sp by ring" in old and "parameter gathers" not in old
     assert set(_rows(old)) == set(rows)
+
+
+def test_a_plan_priced_at_two_lengths_is_exact_at_a_third():
+    # `autosp plan` prices one remat plan at two lengths and solves for the longest: a fixed program's bytes
+    # at every point are affine in the length. Replayed at a third length, the simulated step says the same
+    # to the byte; a value whose two sizes both grow (bytes quadratic in the length) is refused.
+    from autosp.remat import joint_of, simulate_step
+    from autosp.remat.apply import apply_plan
+    from autosp.run.meshes import fake_world, planning_mesh
+    from autosp.run.models import model_config
+    from autosp.run.plan import Affine, Tracer, _profile, check_affine, probe
+    l1, l2, l3 = 1024, 4096, 2560
+    with fake_world(2):
+        tracer = Tracer(model_config("tiny"), planning_mesh(2, 1), torch.float32, 1, 2, shard_params=True)
+        q = probe(tracer, l1, l2, "cpu", False, parallel=False)
+        aff = Affine.fit(l1, q.plan[l1][0], l2, q.plan[l2][0])
+        third = apply_plan(joint_of(tracer.trace(l3, single=False).local)[1], *q.decisions)
+        values, _ = _profile(third, "cpu")
+        assert np.array_equal(aff.a + aff.b * l3, values)
+        assert aff.peak(l3) == simulate_step(third, "cpu").peak
+        assert q.decisions[1], "the least-peak plan recomputes nothing: the test would not test a plan"
+    with pytest.raises(AutospError, match=r"a value of mul has shape \[4, 4\] at 4 tokens and \[8, 8\] at 8"):
+        check_affine([("mul", ((4, 4),))], 4, [("mul", ((8, 8),))], 8)
 
 
 def test_plan_shards_the_model_state_over_the_ranks(capsys):

@@ -159,22 +159,23 @@ def _distinct_bytes(vs, exclude=()) -> int:
 
 
 def solve_placed(problem: IlpProblem, needs: Needs, budget: float | None, *, minimize_peak: bool = False,
-                 classes=None, rounds: int = 6, feasibility: bool = False) -> np.ndarray:
+                 classes=None, rounds: int = 6, feasibility: bool = False, known: set[int] | None = None) -> np.ndarray:
     """Solve with the memory placed for the plan's own recomputations: plan -> R -> place(R) ->
     plan, until the recomputed set is stable or repeats. Returns the best self-consistent answer
     (its memory modelled with its own placement): the cheapest within budget, or the lowest peak.
     With `classes` (template.py), every member of a class makes the same choice."""
     recomputed: frozenset[int] = frozenset()
+    known = set() if known is None else known       # rows hold under every placement: shared by the rounds
     seen = set()
     best = None
     for _ in range(rounds):
         needs.place(problem, recomputed)
         try:
             if classes is None:
-                x = solve(problem, budget, minimize_peak=minimize_peak, feasibility=feasibility)
+                x = solve(problem, budget, minimize_peak=minimize_peak, feasibility=feasibility, known=known)
             else:
                 tied, cls = tie(problem, classes)
-                x = untie(solve(tied, budget, minimize_peak=minimize_peak, feasibility=feasibility), cls)
+                x = untie(solve(tied, budget, minimize_peak=minimize_peak, feasibility=feasibility, known=known), cls)
         except Infeasible:
             if best is not None:
                 break
@@ -231,9 +232,10 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False,
 
     model_budget = target
     best = None
+    known: set[int] = set()             # the memory rows these solves needed: each starts from the others'
     for _ in range(6):
         try:
-            x = solve_placed(problem, needs, model_budget, classes=classes, feasibility=not refine)
+            x = solve_placed(problem, needs, model_budget, classes=classes, feasibility=not refine, known=known)
         except Infeasible:
             break
         prog, peak = simulated(x)
@@ -247,6 +249,7 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False,
     if best is None:
         # the smallest peak the planner reaches, by bisection on feasibility (minimising the peak
         # directly is a much harder MIP); its plan is used if it fits, else the budget is refused
+        # the same search as memory_budget="least" (its own rows: the least it reports is then accepted)
         least = _least(problem, needs, classes, simulated, no_remat, full_x, full)
         least_peak = least[2]
         if least_peak <= target:
@@ -265,13 +268,16 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False,
 
 
 def _least(problem, needs, classes, simulated, no_remat, full_x, full, tol: float = 0.005):
-    """(x, program, peak) of the lowest simulated peak found by bisection on the budget."""
+    """(x, program, peak) of the lowest simulated peak found by bisection on the budget. Each solve
+    starts from the memory rows the ones before it needed (a row holds at every budget); the search
+    starts from none, so it is the same search wherever it is asked."""
     best = (full_x, full, no_remat)
     lo, hi = float(np.max(problem.base)), float(no_remat)
+    known: set[int] = set()
     while hi - lo > tol * no_remat:
         mid = (lo + hi) / 2
         try:
-            x = solve_placed(problem, needs, mid, classes=classes, feasibility=True)
+            x = solve_placed(problem, needs, mid, classes=classes, feasibility=True, known=known)
         except Infeasible:
             lo = mid
             continue

@@ -121,10 +121,12 @@ def _solve_rows(p: IlpProblem, rows: set[int], budget: float | None, minimize_pe
 
 def solve(p: IlpProblem, budget: float | None = None, *, minimize_peak: bool = False,
           max_rounds: int = 60, gap: float | None = None, feasibility: bool = False,
-          time_limit: float = TIME_LIMIT) -> np.ndarray:
+          time_limit: float = TIME_LIMIT, known: set[int] | None = None) -> np.ndarray:
     """The cheapest binary assignment whose modelled memory stays within `budget` at every time
-    point (or, with minimize_peak, one with the smallest peak). Raises Infeasible."""
-    rows = _seed_rows(p)
+    point (or, with minimize_peak, one with the smallest peak). Raises Infeasible. `known`: time
+    points whose rows earlier solves of the same problem needed; they start this solve, and the
+    rows this one adds are added to it (a row holds at every budget, so sharing them is exact)."""
+    rows = _seed_rows(p) | (known or set())
     x = None
     for _ in range(max_rounds):
         x = _solve_rows(p, rows, budget, minimize_peak, GAP if gap is None else gap, feasibility, time_limit)
@@ -144,6 +146,8 @@ def solve(p: IlpProblem, budget: float | None = None, *, minimize_peak: bool = F
         if not new:
             return x
         rows.update(new)
+        if known is not None:
+            known.update(new)
     return x
 
 

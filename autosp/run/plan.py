@@ -21,12 +21,11 @@ How the length is found without tracing at every candidate length: every value o
 either independent of the sequence length L or proportional to it, and the executed order does not
 depend on L, so for a fixed program the bytes live at each equation are affine in L, and the peak is
 the largest of those affine functions. Two meta traces (L1, L2) fix them exactly; the longest L is
-then solved for, per equation. The ILP plan changes with L, so its least reachable peak at L1 and L2
-gives an estimate that is checked by a third trace at the answer: a plan must fit there (else the
-estimate is corrected by a secant step and checked again). Only peaks are asked for: the least peak
-with no cheapest-plan solve after it, and at the check any plan that fits (feasibility solves), so the
-row's traffic is that plan's, not the cheapest's. The third trace also re-checks the affine model of
-the no-remat program.
+then solved for, per equation. That holds for every fixed program, a remat plan's too: the plan with
+the least peak found at L1 is replayed on the step traced at L2 (the same values saved, offloaded and
+recomputed) and the one found at L2 on the step at L1, so each plan's longest length is exact, and
+the row is the longer of the two. Only peaks are asked for (the least-peak search without the
+cheapest-plan solve after it), so the row's traffic is that plan's, not the cheapest's.
 """
 from __future__ import annotations
 
@@ -129,6 +128,14 @@ class Tracer:
             single_program = autosp.shard(self.loss_fn, self.single_mesh).graphs(self.params, ids, ids)[1]
         return Programs(length, graph, local, single_program)
 
+    def single(self, length: int):
+        """The no-SP program at `length` alone (one trace: on the dp = all ranks mesh when sharded)."""
+        import autosp
+        if not self.sharded or self.single_mesh is self.mesh:
+            return self.trace(length).single
+        ids = torch.zeros(self.batch, length, dtype=torch.long, device="meta")
+        return autosp.shard(self.loss_fn, self.single_mesh).graphs(self.params, ids, ids)[1]
+
 
 def _step(graph, budget, device: str, offload: bool = False, refine: bool = True):
     """(Plan, Program) of one training step of `graph` under `budget` (None: no remat; "least": the
@@ -150,23 +157,89 @@ def _profile(program, device: str) -> tuple[np.ndarray, int]:
     return np.asarray(values, dtype=np.float64), shape
 
 
+def _no_remat(graph, device: str):
+    """(values, shape hash, collective bytes) of a graph's no-remat step."""
+    _, program = _step(graph, None, device)
+    values, shape = _profile(program, device)
+    return values, shape, comm_bytes(program)
+
+
+def _priced(program, device: str) -> tuple[np.ndarray, tuple[int, int], int]:
+    """(values, collective bytes, offloaded bytes) of a plan's program."""
+    values, _ = _profile(program, device)
+    made = {o.name: o for e in program.forward.eqns for o in e.outputs}
+    return values, comm_bytes(program), sum(made[n].nbytes() for n in program.offloaded if n in made)
+
+
 @dataclass
 class Probe:
-    """What one length tells: each no-remat program's memory profile and collective bytes, and the
-    least peak a plan reaches with SP (picklable: it may come from a forked process)."""
-    length: int
-    profiles: dict          # config -> (values, shape hash, collective bytes)
-    least: int
+    """What the two probe lengths tell (picklable: half of it comes from a forked process)."""
+    profiles: dict          # (config, length) -> no-remat (values, shape hash, collective bytes)
+    least: int              # the least peak found at the longer length
+    plan: dict              # length -> _priced of that plan's program
+    decisions: tuple        # that plan: (saved names, recomputed forward equations, offloaded names)
 
 
-def probe(tracer, length: int, device: str, offload: bool) -> Probe:
-    p = tracer.trace(length)
-    profiles = {}
-    for key, graph in (("nosp", p.single), ("sp", p.local)):
-        _, program = _step(graph, None, device)
-        values, shape = _profile(program, device)
-        profiles[key] = (values, shape, comm_bytes(program))
-    return Probe(length, profiles, _step(p.local, "least", device, offload, refine=False)[0].peak_bytes)
+def probe_short(tracer, l1: int, l2: int, device: str):
+    """The no-remat programs at l1 (no SP and SP) and the no-SP one at l2; and the SP step at l1, on
+    which the plan found at l2 is replayed."""
+    from autosp.remat import joint_of
+    p, single2 = tracer.trace(l1), tracer.single(l2)
+    profiles = {("nosp", l1): _no_remat(p.single, device), ("sp", l1): _no_remat(p.local, device),
+                ("nosp", l2): _no_remat(single2, device)}
+    singles = (signature(joint_of(p.single)[1].graph), l1, signature(joint_of(single2)[1].graph), l2)
+    return profiles, p.local, singles
+
+
+def probe_long(tracer, l2: int, device: str, offload: bool):
+    """The SP no-remat program at l2, and the plan with the least peak found there: its price and its
+    decisions (saved, recomputed, offloaded), to be replayed at l1."""
+    from autosp.remat import _recomputed, joint_of
+    p = tracer.trace(l2, single=False)
+    profile = _no_remat(p.local, device)
+    plan, program = _step(p.local, "least", device, offload, refine=False)
+    joint = joint_of(p.local)[1]
+    decisions = (program.saved, _recomputed(joint, program), program.offloaded)
+    return profile, plan.peak_bytes, _priced(program, device), decisions, signature(joint.graph)
+
+
+def signature(graph) -> list:
+    """(op, output shapes) of every equation, the inputs' shapes first: what two traces of one step
+    at two lengths must share but for the lengths."""
+    return [("input", tuple(v.shape for v in graph.inputs))] + \
+        [(e.op.name, tuple(o.shape for o in e.outputs)) for e in graph.eqns]
+
+
+def check_affine(a: list, l1: int, b: list, l2: int) -> None:
+    """Raise unless `b` is the program `a` with at most one size of each value changed: sizes are affine
+    in L (L, L / P, L + 1), so then every value's bytes are, and a program's bytes at every point."""
+    def fail(why):
+        raise AutospError(f"autosp plan: {why}, so the step's memory is not affine in the length and cannot be "
+                          f"solved for from two traces ({l1:,} and {l2:,} tokens). Fix: plan with autosp.plan at the "
+                          "lengths you need (the Python API).")
+    if [op for op, _ in a] != [op for op, _ in b]:
+        fail("the program differs between the two lengths")
+    for (op, xs), (_, ys) in zip(a, b):
+        for x, y in zip(xs, ys):
+            moved = [(d, e) for d, e in zip(x, y) if d != e]
+            if len(x) != len(y) or len(moved) > 1:
+                fail(f"a value of {op} has shape {list(x)} at {l1:,} tokens and {list(y)} at {l2:,}")
+
+
+def probe(tracer, l1: int, l2: int, device: str, offload: bool, parallel: bool = True) -> Probe:
+    """Both probe lengths: the short one here, the long one (with the least-peak search, the slowest
+    part) in a forked process; the plan found at l2 is then replayed on the step at l1, so a fixed
+    program is priced at both lengths (its bytes are affine in the length)."""
+    from autosp.remat import joint_of
+    from autosp.remat.apply import apply_plan
+    (profiles, local1, singles), (profile2, least, priced2, (saved, recomputed, offloaded), sig2) = _both(
+        lambda: probe_short(tracer, l1, l2, device), lambda: probe_long(tracer, l2, device, offload), parallel)
+    profiles[("sp", l2)] = profile2
+    joint1 = joint_of(local1)[1]
+    check_affine(signature(joint1.graph), l1, sig2, l2)
+    check_affine(*singles)
+    priced1 = _priced(apply_plan(joint1, saved, recomputed, offloaded), device)
+    return Probe(profiles, least, {l1: priced1, l2: priced2}, (saved, recomputed, offloaded))
 
 
 def _both(first, second, parallel: bool = True):
@@ -400,12 +473,11 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
         kept = tracer.compute_bytes if sharded else 0
         l1 = max(32 * step, _rounded(_guess(spec.config, avail - st.grads - kept, torch_dtype, sp, batch), step))
         l2 = 4 * l1
-        q1, q2 = _both(lambda: probe(tracer, l1, device, offload), lambda: probe(tracer, l2, device, offload),
-                       parallel)
+        q = probe(tracer, l1, l2, device, offload, parallel)
 
         rows, models = [], {}
         for key, name in (("nosp", "no SP"), ("sp", f"SP={sp}, no remat")):
-            (v1, s1, c1), (v2, s2, c2) = q1.profiles[key], q2.profiles[key]
+            (v1, s1, c1), (v2, s2, c2) = q.profiles[(key, l1)], q.profiles[(key, l2)]
             if s1 != s2 or len(v1) != len(v2):
                 raise AutospError(f"autosp plan: {model}'s program differs between lengths {l1} and {l2}, so its "
                                   "memory cannot be solved for in closed form. Fix: plan with autosp.plan at the "
@@ -415,46 +487,24 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
             comm = tuple(int(_line(a, l1, b, l2).peak(length)) for a, b in zip(c1, c2)) if length else None
             rows.append(Row(name, length, aff.peak(length) if length else None, comm))
 
-        # SP with the ILP plan: the least peak at l1 and l2 gives an estimate; a trace there checks it
-        from autosp.remat import BudgetError
-        least = [(l1, q1.least + tokens(l1)), (l2, q2.least + tokens(l2))]
+        # SP with the ILP plan: the plan with the least peak found at l2, priced at both lengths, so its
+        # longest length is solved for exactly
         floor_len = rows[1].length
-        guess = _line(least[0][1], l1, least[1][1], l2).longest(avail, step)
-        checked, tries = None, 0
-        while tries < 4:
-            tries += 1
-            guess = max(guess, floor_len + step)
-            pg = tracer.trace(guess, single=False)
-            try:
-                plan, prog = _step(pg.local, int(avail - tokens(guess)), device, offload, refine=False)
-            except BudgetError as exc:
-                least.append((guess, exc.least_peak_bytes + tokens(guess)))
-                below = [p for p in least if p[0] < guess]
-                ref = max(below) if below else least[0]
-                guess = min(_line(ref[1], ref[0], least[-1][1], guess).longest(avail, step), guess - step)
-                if guess <= floor_len:
-                    break
-                continue
-            checked = (guess, plan, prog, pg)
-            break
+        (va, ca, ha), (vb, cb, hb) = q.plan[l1], q.plan[l2]
+        aff = Affine.fit(l1, va + tokens(l1), l2, vb + tokens(l2))
+        length = aff.longest(avail, step)
         name = f"SP={sp}, ILP plan (save/recompute{'/offload' if offload else ''})"
-        if checked is None:
-            rows.append(Row(name, floor_len, rows[1].peak, rows[1].comm, "no plan fits a longer length than saving "
-                                                                            "everything"))
-            recheck = None
+        if length <= floor_len:
+            rows.append(Row(name, floor_len, rows[1].peak, rows[1].comm, "no plan found fits a longer length than "
+                                                                        "saving everything"))
         else:
-            glen, plan, prog, pg = checked
-            rows.append(Row(name, glen, plan.peak_bytes + tokens(glen), comm_bytes(prog),
-                            f"checked by a trace at {glen:,} ({tries} trace{'s' if tries > 1 else ''}): the plan's "
-                            f"peak {fmt(plan.peak_bytes)} fits the {fmt(avail - tokens(glen))} left (a longer "
-                            "length was not tried: this row is a length that fits, within the estimate's error of "
-                            "the longest)"
-                            + (f"; it offloads {fmt(plan.offload_bytes)} to host memory per rank"
-                               if plan.offload_bytes else "")))
-            host_line = _host_line(host, host_memory is not None, world, offload, plan.offload_bytes or 0)
-            _, prog3 = _step(pg.local, None, device)
-            v3, _ = _profile(prog3, device)
-            recheck = (glen, abs(models["sp"].peak(glen) - (float(np.max(v3)) + tokens(glen))))
+            host_bytes = int(_line(ha, l1, hb, l2).peak(length))
+            rows.append(Row(name, length, aff.peak(length),
+                            tuple(int(_line(a, l1, b, l2).peak(length)) for a, b in zip(ca, cb)),
+                            f"the plan with the least peak found at {l2:,} ({fmt(q.least)}), replayed at {l1:,}, "
+                            f"fits up to {length:,}"
+                            + (f"; it offloads {fmt(host_bytes)} to host memory per rank" if host_bytes else "")))
+            host_line = _host_line(host, host_memory is not None, world, offload, host_bytes)
     # replicated: the gradients are all-reduced after the step, by ring; sharded: reduce-scattered in it
     dp_comm = 0 if sharded else ring_allreduce_bytes(st.grads, dp)
     sp_grad = 0 if sharded else ring_allreduce_bytes(st.grads, sp)
@@ -483,10 +533,9 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
                    if r == 1 else f"{heads} heads run out: all-to-all over {u} ranks x ring attention over {r} "
                    f"(zigzag order; per layer each rank passes {r - 1} K/V block{'s' if r > 2 else ''} around its ring)"))
     out.append(host_line)
-    out.append(f"\nhow: two meta traces (lengths {l1:,} and {l2:,}) fix each no-remat program's bytes at every "
-               "point of the step as an affine function of the length, solved for exactly"
-               + (f" (re-checked by the trace at {recheck[0]:,}: off by {recheck[1]:.0f} bytes)" if recheck else "")
-               + f"; the ILP plan's least peak at those lengths gave an estimate, {rows[2].note or 'not needed'}.")
+    out.append(f"\nhow: two meta traces (lengths {l1:,} and {l2:,}) fix each program's bytes at every point of the "
+               "step as an affine function of the length (a program's values are either independent of the length "
+               "or proportional to it), solved for exactly: the no-remat programs, and the ILP plan; " + rows[2].note + ".")
     if sharded:
         out.append(f"memory per rank = fp32 master shard + optimizer state ({fmt(fixed)}) + the step's peak "
                    f"(activations, temporaries, collective buffers, the gathered {dtype} parameters it holds, the fp32 "
