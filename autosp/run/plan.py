@@ -15,7 +15,9 @@ autosp's ILP plan (save / recompute, and offload under the GPU cost model). Per 
                                         program gathers them (all_gather_param) and reduce-scatters
                                         their gradients (reduce_scatter_param)
 
-Host memory (per node) is counted apart: only what the ILP plan offloads goes there.
+Host memory (per node, shared by its min(ranks, 8) ranks) is counted apart: only what the ILP plan
+offloads goes there, and with --offload each rank's share is the plan's host capacity (the ILP holds
+the offloaded bytes within it).
 
 How the length is found without tracing at every candidate length: every value of the program is
 either independent of the sequence length L or proportional to it, and the executed order does not
@@ -130,12 +132,14 @@ class Tracer:
         return Programs(length, graph, local, single_program)
 
 
-def _step(graph, budget, device: str, offload: bool = False, refine: bool = True):
+def _step(graph, budget, device: str, offload: bool = False, refine: bool = True, host_memory: int | None = None):
     """(Plan, Program) of one training step of `graph` under `budget` (None: no remat; "least": the
     plan with the least peak found), through the planning entry autosp.plan uses. refine=False: any
-    plan that fits, for the length search, which reports peaks."""
+    plan that fits, for the length search, which reports peaks. `host_memory`: bytes per rank the
+    offloaded values may take (None: no limit)."""
     from autosp.remat import plan_step
-    plan, program, _, _ = plan_step(graph, budget, device=device, offload=offload, refine=refine)
+    plan, program, _, _ = plan_step(graph, budget, device=device, offload=offload, refine=refine,
+                                    host_memory=host_memory)
     return plan, program
 
 
@@ -159,14 +163,15 @@ class Probe:
     least: int
 
 
-def probe(tracer, length: int, device: str, offload: bool) -> Probe:
+def probe(tracer, length: int, device: str, offload: bool, host_memory: int | None = None) -> Probe:
     p = tracer.trace(length)
     profiles = {}
     for key, graph in (("nosp", p.single), ("sp", p.local)):
         _, program = _step(graph, None, device)
         values, shape = _profile(program, device)
         profiles[key] = (values, shape, comm_bytes(program))
-    return Probe(length, profiles, _step(p.local, "least", device, offload, refine=False)[0].peak_bytes)
+    least = _step(p.local, "least", device, offload, refine=False, host_memory=host_memory)[0]
+    return Probe(length, profiles, least.peak_bytes)
 
 
 def _both(first, second, parallel: bool = True):
@@ -335,10 +340,14 @@ def _state_line(st: ModelState, tracer, optimizer: str, dtype: str, dp: int, sp:
             "is gathered a layer ahead by the step and counted in its peak")
 
 
-def _host_line(host: int, given: bool, world: int, offload: bool, offloaded: int | None) -> str:
+def _host_line(host: int, given: bool, world: int, offload: bool, offloaded: int | None,
+               seconds: float | None = None) -> str:
+    """What the plan puts in host memory, per rank and per node, and its transfers' time per step."""
     per_node = min(world, _RANKS_PER_NODE)
-    head = (f"host memory per node: {fmt(host)} ({'--host-memory' if given else 'assumed; pass --host-memory'}), "
-            "counted apart from the device memory; planned on the host: ")
+    share = (f", {fmt(host // per_node)} per rank at {per_node} per node (the ILP plan's host capacity)"
+             if offload else "")
+    head = (f"host memory per node: {fmt(host)} ({'--host-memory' if given else 'assumed; pass --host-memory'})"
+            f"{share}, counted apart from the device memory; planned on the host: ")
     if not offloaded:
         why = ("--offload lets the ILP plan move activations there" if not offload else
                "no ILP plan was made" if offloaded is None else "the ILP plan offloads nothing at its length")
@@ -346,6 +355,8 @@ def _host_line(host: int, given: bool, world: int, offload: bool, offloaded: int
     need = offloaded * per_node
     return (head + f"{fmt(offloaded)} per rank of activations offloaded by the ILP plan, {fmt(need)} per node at "
             f"{per_node} ranks per node (assumed: min(ranks, {_RANKS_PER_NODE}))"
+            + (f"; the transfers to host and back take {seconds * 1e3:.3g} ms per step (cost model's host link, "
+               "on a side stream, overlapped with compute)" if seconds else "")
             + ("" if need <= host else f": {fmt(need - host)} more than the node has. Fix: --host-memory with the "
                "node's size, or leave --offload out"))
 
@@ -369,6 +380,7 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
     torch_dtype = getattr(torch, dtype)
     world = sp * dp
     sharded = shard_params and world > 1
+    host_rank = host // min(world, _RANKS_PER_NODE) if offload else None     # each rank's share of its node
     with fake_world(world):
         tracer = Tracer(spec, planning_mesh(sp, dp), torch_dtype, batch, sp, shard_params=sharded)
         n = tracer.n_params
@@ -400,8 +412,8 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
         kept = tracer.compute_bytes if sharded else 0
         l1 = max(32 * step, _rounded(_guess(spec.config, avail - st.grads - kept, torch_dtype, sp, batch), step))
         l2 = 4 * l1
-        q1, q2 = _both(lambda: probe(tracer, l1, device, offload), lambda: probe(tracer, l2, device, offload),
-                       parallel)
+        q1, q2 = _both(lambda: probe(tracer, l1, device, offload, host_rank),
+                       lambda: probe(tracer, l2, device, offload, host_rank), parallel)
 
         rows, models = [], {}
         for key, name in (("nosp", "no SP"), ("sp", f"SP={sp}, no remat")):
@@ -426,7 +438,8 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
             guess = max(guess, floor_len + step)
             pg = tracer.trace(guess, single=False)
             try:
-                plan, prog = _step(pg.local, int(avail - tokens(guess)), device, offload, refine=False)
+                plan, prog = _step(pg.local, int(avail - tokens(guess)), device, offload, refine=False,
+                                   host_memory=host_rank)
             except BudgetError as exc:
                 least.append((guess, exc.least_peak_bytes + tokens(guess)))
                 below = [p for p in least if p[0] < guess]
@@ -451,7 +464,8 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
                             "the longest)"
                             + (f"; it offloads {fmt(plan.offload_bytes)} to host memory per rank"
                                if plan.offload_bytes else "")))
-            host_line = _host_line(host, host_memory is not None, world, offload, plan.offload_bytes or 0)
+            host_line = _host_line(host, host_memory is not None, world, offload, plan.offload_bytes or 0,
+                                   plan.offload_seconds)
             _, prog3 = _step(pg.local, None, device)
             v3, _ = _profile(prog3, device)
             recheck = (glen, abs(models["sp"].peak(glen) - (float(np.max(v3)) + tokens(glen))))
