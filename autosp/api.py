@@ -51,12 +51,14 @@ def mesh_info(mesh) -> MeshInfo:
 class Sharded:
     """fn made sequence-parallel; compiled once per input signature (shapes, dtypes, mesh)."""
 
-    def __init__(self, fn, mesh, in_specs=None, out_specs=None, memory_budget=None, host_bandwidth=None, ring=None):
+    def __init__(self, fn, mesh, in_specs=None, out_specs=None, memory_budget=None, host_bandwidth=None, ring=None,
+                 host_memory=None):
+        from autosp.remat.plan import parse_budget, parse_host_memory
         self.fn, self.mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
         self.memory_budget, self.host_bandwidth = memory_budget, host_bandwidth
+        self.host_memory = parse_host_memory(host_memory)   # a bad size fails here, not at the first call
         if memory_budget is not None:
-            from autosp.remat.plan import parse_budget
-            parse_budget(memory_budget)         # a bad budget fails here, not at the first call
+            parse_budget(memory_budget)
         self.info = mesh_info(mesh)
         self.info.ring = ring
         self.trace_context = contextlib.nullcontext     # what the trace runs under (ShardedModule: FSDP hooks off)
@@ -163,7 +165,7 @@ class Sharded:
         """The step with a remat plan: joint graph, plan (the same on every sp rank), runner."""
         from autosp.remat import compile_step
         plan, runner = compile_step(local, self.memory_budget, device=_device_of(leaves),
-                                    host_bandwidth=self.host_bandwidth,
+                                    host_bandwidth=self.host_bandwidth, host_memory=self.host_memory,
                                     group=self.info.sp_group)
         return plan, runner
 
@@ -220,26 +222,29 @@ def _keep_sharded(out_specs, graph: Graph) -> set[int]:
     return {i for i, s in enumerate(specs) if isinstance(s, str) and "sp" in s}
 
 
-def shard(fn=None, mesh=None, *, in_specs=None, out_specs=None, memory_budget=None, host_bandwidth=None, ring=None):
+def shard(fn=None, mesh=None, *, in_specs=None, out_specs=None, memory_budget=None, host_bandwidth=None,
+          host_memory=None, ring=None):
     """fn's sequence-parallel twin over mesh's 'sp' axis; also usable as @shard(mesh=mesh).
 
     memory_budget: None (save what autograd saves), a fraction of that step's peak (0.3), or
     bytes per rank (an int, '20GiB'): the remat plan then saves, recomputes or offloads each
-    activation to fit. host_bandwidth (bytes/s) lets the plan offload to host memory.
+    activation to fit. host_bandwidth (bytes/s) lets the plan offload to host memory (a GPU has one);
+    host_memory (bytes per rank, or '64GiB') caps what it offloads (None: no limit, 0: no offload).
     ring: attention over sp = U x R ranks runs an all-to-all over U and ring attention over R = `ring`;
     None lets autosp factorise (the largest U that divides the query heads; a ring only where heads run out).
     """
     if fn is None:
-        return lambda f: Sharded(f, mesh, in_specs, out_specs, memory_budget, host_bandwidth, ring)
+        return lambda f: Sharded(f, mesh, in_specs, out_specs, memory_budget, host_bandwidth, ring, host_memory)
     if mesh is None:
         raise AutospError("autosp.shard: no mesh given. Fix: autosp.shard(fn, mesh) or @autosp.shard(mesh=mesh).")
-    return Sharded(fn, mesh, in_specs, out_specs, memory_budget, host_bandwidth, ring)
+    return Sharded(fn, mesh, in_specs, out_specs, memory_budget, host_bandwidth, ring, host_memory)
 
 
-def value_and_grad(fn, mesh, *, in_specs=None, out_specs=None, memory_budget=None, host_bandwidth=None, ring=None):
+def value_and_grad(fn, mesh, *, in_specs=None, out_specs=None, memory_budget=None, host_bandwidth=None,
+                   host_memory=None, ring=None):
     """JAX-style: (loss, grads of the first argument), both the single-device values on every sp rank."""
     step = shard(fn, mesh, in_specs=in_specs, out_specs=out_specs, memory_budget=memory_budget,
-                 host_bandwidth=host_bandwidth, ring=ring)
+                 host_bandwidth=host_bandwidth, host_memory=host_memory, ring=ring)
 
     def run(params, *rest):
         params = _differentiable(params)
@@ -259,11 +264,11 @@ class ShardedModule(torch.nn.Module):
     """nn.Module path: forward is sharded; loss.backward() fills the module's .grad as usual."""
 
     def __init__(self, module: torch.nn.Module, mesh, in_specs=None, out_specs=None, memory_budget=None,
-                 host_bandwidth=None, ring=None):
+                 host_bandwidth=None, ring=None, host_memory=None):
         super().__init__()
         self.module = module
         self._step = shard(self._call, mesh, in_specs=in_specs, out_specs=out_specs, memory_budget=memory_budget,
-                           host_bandwidth=host_bandwidth, ring=ring)
+                           host_bandwidth=host_bandwidth, host_memory=host_memory, ring=ring)
         # a module wrapped by torch's fully_shard: its parameters are read as DTensors, its hooks not run
         self._step.trace_context = lambda: fsdp_hooks_off(module)
 
@@ -275,8 +280,8 @@ class ShardedModule(torch.nn.Module):
 
 
 def compile(model: torch.nn.Module, mesh, *, in_specs=None, out_specs=None, memory_budget=None,  # noqa: A001
-            host_bandwidth=None, ring=None) -> ShardedModule:
-    return ShardedModule(model, mesh, in_specs, out_specs, memory_budget, host_bandwidth, ring)
+            host_bandwidth=None, host_memory=None, ring=None) -> ShardedModule:
+    return ShardedModule(model, mesh, in_specs, out_specs, memory_budget, host_bandwidth, ring, host_memory)
 
 
 def _differentiable(params):
@@ -293,22 +298,25 @@ def _device_of(args) -> str:
     return next((k for k in kinds if k != "meta"), "cpu")
 
 
-def plan(fn, mesh, *args, memory_budget=None, in_specs=None, host_bandwidth=None, device: str | None = None,
-         ring=None):
+def plan(fn, mesh, *args, memory_budget=None, in_specs=None, host_bandwidth=None, host_memory=None,
+         device: str | None = None, ring=None):
     """The remat plan of value_and_grad(fn, mesh, memory_budget=...) on these arguments; runs nothing.
 
     Arguments may be meta tensors. The gradient is taken w.r.t. the first argument, as in
     value_and_grad. `device` ('cpu', 'cuda') picks the cost model; by default the arguments'.
+    `host_memory`: bytes per rank (or '64GiB') that offloaded activations may take; None: no limit.
     """
     from autosp.remat import plan_step
     if not args:
         raise AutospError("autosp.plan: no arguments. Fix: autosp.plan(fn, mesh, params, *batch, memory_budget=0.3).")
     args = (_differentiable(args[0]),) + tuple(args[1:])
     _, local = Sharded(fn, mesh, in_specs, ring=ring).graphs(*args)
-    return plan_step(local, memory_budget, device=device or _device_of(args), host_bandwidth=host_bandwidth)[0]
+    return plan_step(local, memory_budget, device=device or _device_of(args), host_bandwidth=host_bandwidth,
+                     host_memory=host_memory)[0]
 
 
-def explain(fn, mesh, *args, in_specs=None, memory_budget=None, host_bandwidth=None, ring=None) -> str:
+def explain(fn, mesh, *args, in_specs=None, memory_budget=None, host_bandwidth=None, host_memory=None,
+            ring=None) -> str:
     """The chain printed: the global trace, the per-rank graph with layouts and collectives, and,
     with a memory_budget, the remat plan with its predicted peak (the gradient is taken w.r.t.
     the first argument, as in value_and_grad)."""
@@ -327,7 +335,8 @@ def explain(fn, mesh, *args, in_specs=None, memory_budget=None, host_bandwidth=N
     parts += [str(graph), str(local)]
     if memory_budget is not None:
         from autosp.remat import plan_step
-        plan, program, _, _ = plan_step(local, memory_budget, device=_device_of(args), host_bandwidth=host_bandwidth)
+        plan, program, _, _ = plan_step(local, memory_budget, device=_device_of(args), host_bandwidth=host_bandwidth,
+                                        host_memory=host_memory)
         parts += [str(plan), str(program.forward), str(program.backward)]
     return "\n\n".join(parts)
 

@@ -138,7 +138,8 @@ def parser() -> argparse.ArgumentParser:
                    help="count the model state replicated on every rank (default: sharded over the dp x sp ranks "
                         "as autosp.shard_params / FSDP2 lay it out, fp32 master, gradients and moments)")
     p.add_argument("--host-memory", default=None, help="host memory per node, counted apart from the device, "
-                   "e.g. 1TiB (default: 1 TiB assumed)")
+                   "e.g. 1TiB (default: 1 TiB assumed), shared by its min(ranks, 8) ranks: with --offload each "
+                   "rank's share caps what its plan offloads")
 
     e = verbs.add_parser("explain", help="the sharded program and its remat plan, with a memory timeline PNG",
                          description="Print the sharded program's summary (layouts, collectives, remat plan) "

@@ -12,10 +12,10 @@ forward value the backward reads, to save, recompute or offload it under a memor
 """
 from __future__ import annotations
 
-from autosp.remat.plan import BudgetError, Decision, Plan, make_plan, parse_budget, simulate_step
+from autosp.remat.plan import BudgetError, Decision, Plan, make_plan, parse_budget, parse_host_memory, simulate_step
 
-__all__ = ["BudgetError", "Decision", "Plan", "compile_step", "make_plan", "parse_budget", "plan_step",
-           "simulate_step"]
+__all__ = ["BudgetError", "Decision", "Plan", "compile_step", "make_plan", "parse_budget", "parse_host_memory",
+           "plan_step", "simulate_step"]
 
 
 _JOINTS: dict = {}          # the last few joint graphs, by the sharded graph they differentiate
@@ -36,11 +36,12 @@ def joint_of(local):
     return hit
 
 
-def plan_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=None, offload: bool | None = None,
-              refine: bool = True):
+def plan_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=None, host_memory=None,
+              offload: bool | None = None, refine: bool = True):
     """(Plan, Program, Joint, StepBoundary) for a sharded forward graph; runs nothing. The one planning
     entry of autosp.plan, autosp.explain and the command line. `offload`: None plans offload where the
-    device has a host link (a GPU, or `host_bandwidth`), False never; `refine`: make_plan's."""
+    device has a host link (a GPU, or `host_bandwidth`), False never; `host_memory`: bytes per rank
+    (or '64GiB') the offloaded values may take, None no limit; `refine`: make_plan's."""
     from dataclasses import replace
 
     from autosp.remat.cost import device_for
@@ -48,11 +49,13 @@ def plan_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=None,
     dev = device_for(device, host_bandwidth)
     if offload is False:
         dev = replace(dev, host_bw=None)
-    plan, program = make_plan(joint, memory_budget, dev, offload=dev.host_bw is not None, refine=refine)
+    plan, program = make_plan(joint, memory_budget, dev, offload=dev.host_bw is not None, host_memory=host_memory,
+                              refine=refine)
     return plan, program, joint, boundary
 
 
-def compile_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=None, group: str | None = None):
+def compile_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=None, host_memory=None,
+                 group: str | None = None):
     """(Plan, runner): the step that runs the plan. With a process group, its first rank plans and
     broadcasts the plan (recomputed collectives must match across ranks, and a shared host plans
     once); a refused budget is raised on every rank."""
@@ -65,12 +68,14 @@ def compile_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=No
     dev = device_for(device, host_bandwidth)
     pg = _pg(group) if group is not None else None
     if pg is None or dist.get_world_size(pg) == 1:
-        plan, program = make_plan(joint, memory_budget, dev, offload=dev.host_bw is not None)
+        plan, program = make_plan(joint, memory_budget, dev, offload=dev.host_bw is not None,
+                                  host_memory=host_memory)
         return plan, Runner(program, joint, boundary)
     box = [None]
     if dist.get_rank(pg) == 0:
         try:
-            plan, program = make_plan(joint, memory_budget, dev, offload=dev.host_bw is not None)
+            plan, program = make_plan(joint, memory_budget, dev, offload=dev.host_bw is not None,
+                                      host_memory=host_memory)
             recomputed = _recomputed(joint, program)
             box = [(plan, tuple(program.saved), recomputed, tuple(program.offloaded))]
         except Exception as exc:  # noqa: BLE001 - every rank raises what the planning rank raised

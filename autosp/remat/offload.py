@@ -5,11 +5,14 @@ On CUDA/ROCm the copies run on a side stream into pinned host memory, ordered af
 producer by an event; the backward's `wait` makes the compute stream wait for the copy back
 right before the first use, so the transfer overlaps the equations in between. On CPU there
 is no device to leave: the value is copied into a host buffer and back, so the rewritten
-program is exercised (and its results tested) exactly as on a GPU. The CPU's host buffers come
-from a pool kept across steps (`_HostPool`), so, as on a GPU, host copies are not the step's
-allocations and the memory model (which counts device bytes only) is the measurement.
+program is exercised (and its results tested) exactly as on a GPU. Host buffers on both come
+from pools kept across steps (`_HostPool`; pinned for a GPU): a pinned allocation costs
+milliseconds and serialises with the device, and, as on a GPU, the CPU's host copies are not
+the step's allocations, so the memory model (which counts device bytes only) is the measurement.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import Tensor
@@ -25,39 +28,58 @@ def _stream(device: torch.device):
 
 
 class _HostPool:
-    """Host buffers by (shape, dtype), reused once the copy handed out is gone (a step's host
-    copies die in its backward, so the next step finds them free)."""
+    """Host buffers by (shape, dtype, strides, source device), reused once the tensor handed out is
+    gone (a step's host copies die in its backward, so the next step finds them free). `pin`: the
+    buffers are page-locked (a GPU's asynchronous copies need it; pinning needs CUDA)."""
 
-    def __init__(self):
-        self.slots: dict[tuple, list] = {}       # key -> [(buffer, weakref to the view handed out)]
+    def __init__(self, pin: bool = False):
+        self.pin = pin
+        self.slots: dict[tuple, list] = {}       # key -> [(buffer, weakref to the tensor handed out)]
 
-    def copy(self, x: Tensor) -> Tensor:
-        import weakref
-        key = (tuple(x.shape), x.dtype, torch.empty_like(x, device="meta").stride())    # clone's strides
-        slots = self.slots.setdefault(key, [])
+    def take(self, x: Tensor) -> Tensor:
+        """A host tensor shaped like a clone of x (the backward's views of the copy rely on its
+        strides), backed by a pooled buffer that no live tensor handed out before shares."""
+        stride = torch.empty_like(x, device="meta").stride()          # a clone's strides
+        slots = self.slots.setdefault((tuple(x.shape), x.dtype, stride, x.device), [])
         slot = next((k for k, (_, ref) in enumerate(slots) if ref() is None), None)
         if slot is None:
-            # the strides a clone of x has (the backward's views of the copy rely on them)
-            slots.append((torch.empty_like(x), lambda: None))
+            buf = torch.empty_strided(x.shape, stride, dtype=x.dtype, device="cpu", pin_memory=self.pin)
+            slots.append((buf, None))
             slot = len(slots) - 1
         buf = slots[slot][0]
         out = buf.detach()                        # a tensor of its own, sharing the pooled storage
-        out.copy_(x)
         slots[slot] = (buf, weakref.ref(out))
         return out
 
+    def copy(self, x: Tensor) -> Tensor:
+        """A pooled host copy of x, written now (the CPU path)."""
+        out = self.take(x)
+        out.copy_(x)
+        return out
 
-_host_pool = _HostPool()
+    def nbytes(self) -> int:
+        """Host bytes the pool holds (free or handed out)."""
+        return sum(buf.nbytes for slots in self.slots.values() for buf, _ in slots)
+
+
+_host_pool = _HostPool()                  # the CPU path's copies
+_pinned_pool = _HostPool(pin=True)        # a GPU's; allocates (and pins) only when a GPU offloads
 
 
 @torch.library.custom_op("autosp::offload", mutates_args=())
 def offload(x: Tensor) -> Tensor:
-    """A host copy of x (pinned, asynchronous on a side stream on CUDA; from a reused pool on CPU)."""
+    """A host copy of x (pinned, asynchronous on a side stream on CUDA; from a reused pool on both)."""
     if x.device.type != "cuda":
         return _host_pool.copy(x)
     side = _stream(x.device)
     side.wait_stream(torch.cuda.current_stream(x.device))
-    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    # Reuse is safe without an event: the device touches a pooled buffer only on this side stream
+    # (this copy writes it, prefetch's copy back reads it) and the host never reads it. The pool
+    # hands a buffer out again only after the tensor it backed died, which is after the prefetch
+    # that read it was enqueued on the side stream (the backward holds the host copy until then),
+    # so this write, enqueued later on the same stream, runs after that read. The pool is keyed by
+    # the device too: another device's side stream is not ordered with this one.
+    host = _pinned_pool.take(x)
     with torch.cuda.stream(side):
         host.copy_(x, non_blocking=True)
     x.record_stream(side)

@@ -4,11 +4,13 @@
     print(plan)            # per template value: save / recompute / offload, bytes, FLOPs; totals
     plan.peak_bytes        # the rewritten step simulated (liveness.py), per rank
 
-`budget` is a fraction of the no-remat peak (a float), or bytes (an int, or "20GiB"). The
-problem (problem.py) is solved (solve.py); the plan is applied (apply.py) and the program
-simulated. Where the simulation exceeds the budget (the model places recomputations by
-their first need, the program by dependency order), the ILP is solved again under a budget
-lowered by the excess. An infeasible budget raises AutospError with the smallest one.
+`budget` is a fraction of the no-remat peak (a float), or bytes (an int, or "20GiB");
+`host_memory` (bytes per rank) caps what offloading may put in host memory. The problem
+(problem.py) is solved (solve.py); the plan is applied (apply.py) and the program simulated.
+Where the simulation exceeds the budget (the model places recomputations by their first need,
+the program by dependency order), the ILP is solved again under a budget lowered by the
+excess. An infeasible budget raises AutospError with the smallest one (and, when host memory
+is what runs out, the host memory a plan within the budget needs).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from autosp.passes.autodiff import Joint
 from autosp.remat import liveness as L
 from autosp.remat.apply import Program, apply_plan, host_name
 from autosp.remat.cost import Device, eqn_cost
-from autosp.remat.problem import IlpProblem, Needs, build
+from autosp.remat.problem import IlpProblem, Needs, build, host_limit
 from autosp.remat.solve import Infeasible, solve
 from autosp.remat.template import tie, untie, variable_classes
 
@@ -45,7 +47,7 @@ class Decision:
     type: str            # printed type, e.g. f32[2,512,256]
     bytes: int
     flops: int           # recomputation FLOPs (0 unless recomputed)
-    seconds: float       # modelled recompute or unhidden transfer time
+    seconds: float       # modelled recompute time, or the transfer's to host and back
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +71,8 @@ class Plan:
     recompute_seconds: float
     offload_bytes: int
     device: str
+    offload_seconds: float = 0.0         # the host transfers' modelled time (out and back, on a side stream)
+    host_memory_bytes: int | None = None     # the host capacity per rank the plan was held to (None: no limit)
 
     @property
     def saved_bytes(self) -> int:
@@ -90,7 +94,11 @@ class Plan:
             d = info[key]
             lines.append(f"{d.action:<10} {rows[key]:>5}  {d.op[:44]:<44} {d.type[:28]:<28} "
                          f"{_fmt(d.bytes):>12} {d.flops:>12.3g}")
-        lines.append(f"totals: saved {_fmt(self.saved_bytes)}, offloaded {_fmt(self.offload_bytes)}, "
+        host = ""
+        if self.offload_bytes or self.host_memory_bytes is not None:
+            cap = "" if self.host_memory_bytes is None else f" of {_fmt(self.host_memory_bytes)} host memory"
+            host = f"{cap}, host transfers {self.offload_seconds * 1e3:.3g} ms modelled"
+        lines.append(f"totals: saved {_fmt(self.saved_bytes)}, offloaded {_fmt(self.offload_bytes)}{host}, "
                      f"recompute {self.recompute_flops:.3g} FLOPs ({self.recompute_seconds * 1e3:.3g} ms modelled)")
         return "\n".join(lines)
 
@@ -106,6 +114,28 @@ def _fmt(n) -> str:
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_host_memory(host_memory) -> int | None:
+    """Bytes of host memory per rank from None (no limit), an int, or a string such as '64GiB'."""
+    if host_memory is None:
+        return None
+    fix = "Fix: host_memory=64 * 2**30 or '64GiB' (bytes per rank; 0 offloads nothing), or None for no limit."
+    if isinstance(host_memory, float) and host_memory.is_integer():
+        host_memory = int(host_memory)
+    if isinstance(host_memory, int) and not isinstance(host_memory, bool):
+        if host_memory < 0:
+            raise AutospError(f"host_memory={host_memory}: bytes cannot be negative. {fix}")
+        return host_memory
+    if isinstance(host_memory, str):
+        try:
+            kind, value = parse_budget(host_memory)
+        except AutospError:
+            kind = None
+        if kind == "bytes":
+            return int(value)
+        raise AutospError(f"host_memory={host_memory!r}: not a size. {fix}")
+    raise AutospError(f"host_memory={host_memory!r} ({type(host_memory).__name__}): expected bytes per rank. {fix}")
 
 
 def parse_budget(budget) -> tuple[str, float]:
@@ -198,13 +228,17 @@ def solve_placed(problem: IlpProblem, needs: Needs, budget: float | None, *, min
     return x
 
 
-def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False,
+def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, host_memory=None,
               template: bool | None = None, refine: bool = True) -> tuple[Plan, Program]:
     """The plan for `budget` and its programs. `template`: tie identical layers (template.py);
     None ties them when the problem is large (more than 200 binaries). budget="least": the plan
     with the smallest peak found. With `refine` False the plan is any that fits, not the cheapest
-    (no cost-minimising solve, the slowest kind): what the planning command's length search asks."""
-    problem, needs = build(joint, device, offload=offload)
+    (no cost-minimising solve, the slowest kind): what the planning command's length search asks.
+    `host_memory`: bytes per rank (or '64GiB') the offloaded values may take; None: no limit."""
+    host = parse_host_memory(host_memory)
+    host = host if offload else None              # without a host link nothing is offloaded anyway
+    unlimited, needs = build(joint, device, offload=offload)
+    problem = host_limit(unlimited, host)
     if template is None:
         template = problem.n_bin > 200
     classes = variable_classes(problem, joint.forward_eqns) if template else None
@@ -213,7 +247,7 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False,
     full = _program(joint, problem, full_x)
     no_remat = simulate_step(full, device.name).peak
     if budget is None:
-        return _describe(problem, joint, full_x, full, no_remat, None, None, device), full
+        return _describe(problem, joint, full_x, full, no_remat, None, None, device, host), full
     kind, amount = parse_budget(budget)
 
     def simulated(x):
@@ -225,10 +259,10 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False,
         if refine:
             least = _cheapest_at(problem, needs, classes, simulated, least)
         x, prog, peak = least
-        return _describe(problem, joint, x, prog, no_remat, int(peak), int(peak), device), prog
+        return _describe(problem, joint, x, prog, no_remat, int(peak), int(peak), device, host), prog
     target = amount * no_remat if kind == "fraction" else amount
     if target >= no_remat:
-        return _describe(problem, joint, full_x, full, no_remat, int(target), None, device), full
+        return _describe(problem, joint, full_x, full, no_remat, int(target), None, device, host), full
 
     model_budget = target
     best = None
@@ -257,14 +291,56 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False,
                 least = _cheapest_at(problem, needs, classes, simulated, least)
                 least_peak = least[2]
         else:
+            short = _host_shortfall(problem, unlimited, needs, classes, simulated, least[0], host, target)
+            held = f" within host_memory={host} bytes per rank ({_fmt(host)})" if host is not None else ""
+            why = (f" Host memory runs out: a plan within the budget offloads {short} bytes ({_fmt(short)}) per "
+                   f"rank. Fix: host_memory={short} or more per rank, " if short else " Fix: ")
             raise BudgetError(
                 f"autosp remat: memory_budget={budget!r} ({_fmt(target)} per rank) is below the smallest peak the "
-                f"planner reaches, {least_peak} bytes ({_fmt(least_peak)}, {least_peak / no_remat:.3f} of the "
-                f"no-remat peak {_fmt(no_remat)}). Fix: memory_budget={least_peak} or more (a fraction >= "
+                f"planner reaches{held}, {least_peak} bytes ({_fmt(least_peak)}, {least_peak / no_remat:.3f} of the "
+                f"no-remat peak {_fmt(no_remat)}).{why}memory_budget={least_peak} or more (a fraction >= "
                 f"{least_peak / no_remat:.3f}), or more sequence-parallel ranks.", least_peak_bytes=int(least_peak))
         best = least + (problem.objective(least[0]),)
     x, prog = best[0], best[1]
-    return _describe(problem, joint, x, prog, no_remat, int(target), least_peak, device), prog
+    return _describe(problem, joint, x, prog, no_remat, int(target), least_peak, device, host), prog
+
+
+def _offloaded_bytes(p: IlpProblem, x) -> float:
+    nK, nV = len(p.eqns), len(p.values)
+    x = np.asarray(x)
+    return float(np.sum(p.value_bytes * ((x[nK + nV:nK + 2 * nV] > 0.5) & (x[nK:nK + nV] < 0.5))))
+
+
+def _host_shortfall(problem, unlimited, needs, classes, simulated, least_x, host, target) -> int | None:
+    """When a budget is refused under a host capacity: the host bytes per rank a plan within the budget
+    offloads, if host memory is what holds it back, else None. Only asked when the least plan leaves no
+    room in host memory for another offloadable value (with templates, the values of its class, which
+    go together: the cheap test), then confirmed by feasibility solves without the limit."""
+    if host is None:
+        return None
+    nK, nV = len(unlimited.eqns), len(unlimited.values)
+    room = host - _offloaded_bytes(problem, least_x)
+    x = np.asarray(least_x)
+    cls = np.asarray(classes) if classes is not None else np.arange(unlimited.n_bin)
+    together = {}                                # class -> bytes its offload variables move together
+    for i in range(nV):
+        c = int(cls[nK + nV + i])
+        together[c] = together.get(c, 0.0) + float(unlimited.value_bytes[i])
+    if not any(not np.isinf(unlimited.cost[nK + nV + i]) and x[nK + nV + i] < 0.5
+               and together[int(cls[nK + nV + i])] > room for i in range(nV)):
+        return None
+    model_budget = target
+    for _ in range(4):        # as make_plan's loop: lowered by the simulation's excess, or (the placement
+        try:                  # iteration is not monotone in the budget) by 5 % where a solve finds nothing
+            y = solve_placed(unlimited, needs, model_budget, classes=classes, feasibility=True)
+        except Infeasible:
+            model_budget -= 0.05 * target
+            continue
+        peak = simulated(y)[1]
+        if peak <= target:
+            return int(_offloaded_bytes(unlimited, y))
+        model_budget -= (peak - target) + 0.002 * target
+    return None
 
 
 def _least(problem, needs, classes, simulated, no_remat, full_x, full, tol: float = 0.005):
@@ -311,7 +387,8 @@ def _program(joint: Joint, p: IlpProblem, x) -> Program:
     return apply_plan(joint, saved, recomputed, offloaded)
 
 
-def _describe(p: IlpProblem, joint: Joint, x, program: Program, no_remat, target, least, device) -> Plan:
+def _describe(p: IlpProblem, joint: Joint, x, program: Program, no_remat, target, least, device,
+              host: int | None = None) -> Plan:
     fwd = joint.forward_eqns
     nK, nV = len(p.eqns), len(p.values)
     by_name = {o.name: (k, o) for k, e in enumerate(fwd) for o in e.outputs}
@@ -335,5 +412,6 @@ def _describe(p: IlpProblem, joint: Joint, x, program: Program, no_remat, target
     rflops = sum(eqn_cost(e, device).flops for e in recomputed_eqns)
     rsec = sum(eqn_cost(e, device).seconds for e in recomputed_eqns)
     peak = simulate_step(program, device.name).peak
+    offloaded = [d for d in decisions if d.action == "offload"]
     return Plan(tuple(decisions), int(peak), int(no_remat), target, least, int(rflops), float(rsec),
-                sum(d.bytes for d in decisions if d.action == "offload"), device.name)
+                sum(d.bytes for d in offloaded), device.name, float(sum(d.seconds for d in offloaded)), host)

@@ -7,7 +7,8 @@ own no storage: recomputing one is free and makes its base needed instead. A var
 available to the backward if its equation is recomputed, or (for a storage) it is saved or
 offloaded. Constraints: every var the backward reads directly is available; a recomputed
 equation's forward inputs are available; nothing is kept that nobody reads; random
-equations are never recomputed.
+equations are never recomputed. With a host memory capacity (`host_limit`), one more row: the
+offloaded bytes, sum of bytes[v] o[v], stay within it.
 
 Memory, in bytes per rank, is modelled on the executed order (liveness.py): time points are
 the forward's equations then the backward's. `base[t]` is the bytes live at t when the
@@ -24,7 +25,7 @@ until they agree, and the simulation of the rewritten program has the last word.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -307,6 +308,22 @@ def build(joint: Joint, device: Device, offload: bool = False, lead: int = 8) ->
                          cost, flops, rows, base, nF)
     needs.place(problem, frozenset())
     return problem, needs
+
+
+def host_limit(p: IlpProblem, capacity: float | None) -> IlpProblem:
+    """p with its offloaded bytes held within `capacity` (bytes of host memory per rank): one row over
+    the offload variables o[v] = x[nK + nV + v], weighted by each value's bytes. None: no limit; 0
+    forbids offloading outright (so that even a value of no bytes stays: the plan is the no-offload one)."""
+    nK, nV = len(p.eqns), len(p.values)
+    cols = [nK + nV + i for i in range(nV) if not np.isinf(p.cost[nK + nV + i])]
+    if capacity is None or not cols:
+        return p
+    if capacity <= 0:
+        cost = p.cost.copy()
+        cost[nK + nV:] = np.inf
+        return replace(p, cost=cost)
+    row = ([(j, float(p.value_bytes[j - nK - nV])) for j in cols], -np.inf, float(capacity))
+    return replace(p, rows=p.rows + [row])
 
 
 def _backward_alone(joint: Joint, producer, device: str) -> L.Timeline:

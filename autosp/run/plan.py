@@ -15,7 +15,9 @@ autosp's ILP plan (save / recompute, and offload under the GPU cost model). Per 
                                         program gathers them (all_gather_param) and reduce-scatters
                                         their gradients (reduce_scatter_param)
 
-Host memory (per node) is counted apart: only what the ILP plan offloads goes there.
+Host memory (per node, shared by its min(ranks, 8) ranks) is counted apart: only what the ILP plan
+offloads goes there, and with --offload each rank's share is the plan's host capacity (the ILP holds
+the offloaded bytes within it).
 
 How the length is found without tracing at every candidate length: every value of the program is
 either independent of the sequence length L or proportional to it, and the executed order does not
@@ -137,12 +139,14 @@ class Tracer:
         return autosp.shard(self.loss_fn, self.single_mesh).graphs(self.params, ids, ids)[1]
 
 
-def _step(graph, budget, device: str, offload: bool = False, refine: bool = True):
+def _step(graph, budget, device: str, offload: bool = False, refine: bool = True, host_memory: int | None = None):
     """(Plan, Program) of one training step of `graph` under `budget` (None: no remat; "least": the
     plan with the least peak found), through the planning entry autosp.plan uses. refine=False: any
-    plan that fits, for the length search, which reports peaks."""
+    plan that fits, for the length search, which reports peaks. `host_memory`: bytes per rank the
+    offloaded values may take (None: no limit)."""
     from autosp.remat import plan_step
-    plan, program, _, _ = plan_step(graph, budget, device=device, offload=offload, refine=refine)
+    plan, program, _, _ = plan_step(graph, budget, device=device, offload=offload, refine=refine,
+                                    host_memory=host_memory)
     return plan, program
 
 
@@ -178,6 +182,7 @@ class Probe:
     least: int              # the least peak found at the longer length
     plan: dict              # length -> _priced of that plan's program
     decisions: tuple        # that plan: (saved names, recomputed forward equations, offloaded names)
+    offload_seconds: float  # that plan's host transfers at l2 (the cost model's), in proportion to their bytes
 
 
 def probe_short(tracer, l1: int, l2: int, device: str):
@@ -191,16 +196,17 @@ def probe_short(tracer, l1: int, l2: int, device: str):
     return profiles, p.local, singles
 
 
-def probe_long(tracer, l2: int, device: str, offload: bool):
+def probe_long(tracer, l2: int, device: str, offload: bool, host_memory: int | None = None):
     """The SP no-remat program at l2, and the plan with the least peak found there: its price and its
     decisions (saved, recomputed, offloaded), to be replayed at l1."""
     from autosp.remat import _recomputed, joint_of
     p = tracer.trace(l2, single=False)
     profile = _no_remat(p.local, device)
-    plan, program = _step(p.local, "least", device, offload, refine=False)
+    plan, program = _step(p.local, "least", device, offload, refine=False, host_memory=host_memory)
     joint = joint_of(p.local)[1]
     decisions = (program.saved, _recomputed(joint, program), program.offloaded)
-    return profile, plan.peak_bytes, _priced(program, device), decisions, signature(joint.graph)
+    return (profile, (plan.peak_bytes, plan.offload_seconds), _priced(program, device), decisions,
+            signature(joint.graph))
 
 
 def signature(graph) -> list:
@@ -226,20 +232,21 @@ def check_affine(a: list, l1: int, b: list, l2: int) -> None:
                 fail(f"a value of {op} has shape {list(x)} at {l1:,} tokens and {list(y)} at {l2:,}")
 
 
-def probe(tracer, l1: int, l2: int, device: str, offload: bool, parallel: bool = True) -> Probe:
+def probe(tracer, l1: int, l2: int, device: str, offload: bool, parallel: bool = True,
+          host_memory: int | None = None) -> Probe:
     """Both probe lengths: the short one here, the long one (with the least-peak search, the slowest
     part) in a forked process; the plan found at l2 is then replayed on the step at l1, so a fixed
     program is priced at both lengths (its bytes are affine in the length)."""
     from autosp.remat import joint_of
     from autosp.remat.apply import apply_plan
-    (profiles, local1, singles), (profile2, least, priced2, (saved, recomputed, offloaded), sig2) = _both(
-        lambda: probe_short(tracer, l1, l2, device), lambda: probe_long(tracer, l2, device, offload), parallel)
+    (profiles, local1, singles), (profile2, (least, seconds), priced2, (saved, recomputed, offloaded), sig2) = _both(
+        lambda: probe_short(tracer, l1, l2, device), lambda: probe_long(tracer, l2, device, offload, host_memory), parallel)
     profiles[("sp", l2)] = profile2
     joint1 = joint_of(local1)[1]
     check_affine(signature(joint1.graph), l1, sig2, l2)
     check_affine(*singles)
     priced1 = _priced(apply_plan(joint1, saved, recomputed, offloaded), device)
-    return Probe(profiles, least, {l1: priced1, l2: priced2}, (saved, recomputed, offloaded))
+    return Probe(profiles, least, {l1: priced1, l2: priced2}, (saved, recomputed, offloaded), seconds)
 
 
 def _both(first, second, parallel: bool = True):
@@ -408,10 +415,14 @@ def _state_line(st: ModelState, tracer, optimizer: str, dtype: str, dp: int, sp:
             "is gathered a layer ahead by the step and counted in its peak")
 
 
-def _host_line(host: int, given: bool, world: int, offload: bool, offloaded: int | None) -> str:
+def _host_line(host: int, given: bool, world: int, offload: bool, offloaded: int | None,
+               seconds: float | None = None) -> str:
+    """What the plan puts in host memory, per rank and per node, and its transfers' time per step."""
     per_node = min(world, _RANKS_PER_NODE)
-    head = (f"host memory per node: {fmt(host)} ({'--host-memory' if given else 'assumed; pass --host-memory'}), "
-            "counted apart from the device memory; planned on the host: ")
+    share = (f", {fmt(host // per_node)} per rank at {per_node} per node (the ILP plan's host capacity)"
+             if offload else "")
+    head = (f"host memory per node: {fmt(host)} ({'--host-memory' if given else 'assumed; pass --host-memory'})"
+            f"{share}, counted apart from the device memory; planned on the host: ")
     if not offloaded:
         why = ("--offload lets the ILP plan move activations there" if not offload else
                "no ILP plan was made" if offloaded is None else "the ILP plan offloads nothing at its length")
@@ -419,6 +430,8 @@ def _host_line(host: int, given: bool, world: int, offload: bool, offloaded: int
     need = offloaded * per_node
     return (head + f"{fmt(offloaded)} per rank of activations offloaded by the ILP plan, {fmt(need)} per node at "
             f"{per_node} ranks per node (assumed: min(ranks, {_RANKS_PER_NODE}))"
+            + (f"; the transfers to host and back take {seconds * 1e3:.3g} ms per step (cost model's host link, "
+               "on a side stream, overlapped with compute)" if seconds else "")
             + ("" if need <= host else f": {fmt(need - host)} more than the node has. Fix: --host-memory with the "
                "node's size, or leave --offload out"))
 
@@ -442,6 +455,7 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
     torch_dtype = getattr(torch, dtype)
     world = sp * dp
     sharded = shard_params and world > 1
+    host_rank = host // min(world, _RANKS_PER_NODE) if offload else None     # each rank's share of its node
     with fake_world(world):
         tracer = Tracer(spec, planning_mesh(sp, dp), torch_dtype, batch, sp, shard_params=sharded)
         n = tracer.n_params
@@ -473,7 +487,7 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
         kept = tracer.compute_bytes if sharded else 0
         l1 = max(32 * step, _rounded(_guess(spec.config, avail - st.grads - kept, torch_dtype, sp, batch), step))
         l2 = 4 * l1
-        q = probe(tracer, l1, l2, device, offload, parallel)
+        q = probe(tracer, l1, l2, device, offload, parallel, host_rank)
 
         rows, models = [], {}
         for key, name in (("nosp", "no SP"), ("sp", f"SP={sp}, no remat")):
@@ -493,6 +507,8 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
         (va, ca, ha), (vb, cb, hb) = q.plan[l1], q.plan[l2]
         aff = Affine.fit(l1, va + tokens(l1), l2, vb + tokens(l2))
         length = aff.longest(avail, step)
+        if host_rank is not None and hb > ha:            # the offloaded bytes grow too: the host caps the length
+            length = min(length, _line(ha, l1, hb, l2).longest(host_rank, step))
         name = f"SP={sp}, ILP plan (save/recompute{'/offload' if offload else ''})"
         if length <= floor_len:
             rows.append(Row(name, floor_len, rows[1].peak, rows[1].comm, "no plan found fits a longer length than "
@@ -504,7 +520,8 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
                             f"the plan with the least peak found at {l2:,} ({fmt(q.least)}), replayed at {l1:,}, "
                             f"fits up to {length:,}"
                             + (f"; it offloads {fmt(host_bytes)} to host memory per rank" if host_bytes else "")))
-            host_line = _host_line(host, host_memory is not None, world, offload, host_bytes)
+            host_line = _host_line(host, host_memory is not None, world, offload, host_bytes,
+                                   q.offload_seconds * host_bytes / hb if hb else None)
     # replicated: the gradients are all-reduced after the step, by ring; sharded: reduce-scattered in it
     dp_comm = 0 if sharded else ring_allreduce_bytes(st.grads, dp)
     sp_grad = 0 if sharded else ring_allreduce_bytes(st.grads, sp)
