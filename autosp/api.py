@@ -52,9 +52,10 @@ class Sharded:
     """fn made sequence-parallel; compiled once per input signature (shapes, dtypes, mesh)."""
 
     def __init__(self, fn, mesh, in_specs=None, out_specs=None, memory_budget=None, host_bandwidth=None, ring=None,
-                 host_memory=None):
+                 host_memory=None, tiles=None):
         from autosp.remat.plan import parse_budget, parse_host_memory
         self.fn, self.mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
+        self.tiles = _check_tiles(tiles, memory_budget)
         self.memory_budget, self.host_bandwidth = memory_budget, host_bandwidth
         self.host_memory = parse_host_memory(host_memory)   # a bad size fails here, not at the first call
         if memory_budget is not None:
@@ -166,7 +167,7 @@ class Sharded:
         from autosp.remat import compile_step
         plan, runner = compile_step(local, self.memory_budget, device=_device_of(leaves),
                                     host_bandwidth=self.host_bandwidth, host_memory=self.host_memory,
-                                    group=self.info.sp_group)
+                                    group=self.info.sp_group, tiles=self.tiles)
         return plan, runner
 
     def plan(self, *args):
@@ -222,8 +223,21 @@ def _keep_sharded(out_specs, graph: Graph) -> set[int]:
     return {i for i, s in enumerate(specs) if isinstance(s, str) and "sp" in s}
 
 
+def _check_tiles(tiles, memory_budget):
+    if tiles is None:
+        return None
+    fix = "Fix: tiles={'loss': 8, 'mlp': 4} (chain names as autosp.explain prints them, 'mlp' for every MLP)."
+    if memory_budget is None:
+        raise AutospError(f"tiles={tiles!r}: tiling is planned with the remat plan, which needs a memory_budget. "
+                          "Fix: add memory_budget=1.0 (save what autograd saves) or a budget.")
+    if not isinstance(tiles, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                                              and v >= 1 for k, v in tiles.items()):
+        raise AutospError(f"tiles={tiles!r}: expected a dict of chain name -> tiles (an int >= 1). {fix}")
+    return dict(tiles)
+
+
 def shard(fn=None, mesh=None, *, in_specs=None, out_specs=None, memory_budget=None, host_bandwidth=None,
-          host_memory=None, ring=None):
+          host_memory=None, ring=None, tiles=None):
     """fn's sequence-parallel twin over mesh's 'sp' axis; also usable as @shard(mesh=mesh).
 
     memory_budget: None (save what autograd saves), a fraction of that step's peak (0.3), or
@@ -232,19 +246,22 @@ def shard(fn=None, mesh=None, *, in_specs=None, out_specs=None, memory_budget=No
     host_memory (bytes per rank, or '64GiB') caps what it offloads (None: no limit, 0: no offload).
     ring: attention over sp = U x R ranks runs an all-to-all over U and ring attention over R = `ring`;
     None lets autosp factorise (the largest U that divides the query heads; a ring only where heads run out).
+    tiles: the position-wise chains (the MLPs, the loss head) run in tiles along the sequence, chain
+    name -> tiles ({'loss': 16, 'mlp': 4}); None lets the planner tile where the budget needs it.
     """
     if fn is None:
-        return lambda f: Sharded(f, mesh, in_specs, out_specs, memory_budget, host_bandwidth, ring, host_memory)
+        return lambda f: Sharded(f, mesh, in_specs, out_specs, memory_budget, host_bandwidth, ring, host_memory,
+                                 tiles)
     if mesh is None:
         raise AutospError("autosp.shard: no mesh given. Fix: autosp.shard(fn, mesh) or @autosp.shard(mesh=mesh).")
-    return Sharded(fn, mesh, in_specs, out_specs, memory_budget, host_bandwidth, ring, host_memory)
+    return Sharded(fn, mesh, in_specs, out_specs, memory_budget, host_bandwidth, ring, host_memory, tiles)
 
 
 def value_and_grad(fn, mesh, *, in_specs=None, out_specs=None, memory_budget=None, host_bandwidth=None,
-                   host_memory=None, ring=None):
+                   host_memory=None, ring=None, tiles=None):
     """JAX-style: (loss, grads of the first argument), both the single-device values on every sp rank."""
     step = shard(fn, mesh, in_specs=in_specs, out_specs=out_specs, memory_budget=memory_budget,
-                 host_bandwidth=host_bandwidth, host_memory=host_memory, ring=ring)
+                 host_bandwidth=host_bandwidth, host_memory=host_memory, ring=ring, tiles=tiles)
 
     def run(params, *rest):
         params = _differentiable(params)
@@ -264,11 +281,11 @@ class ShardedModule(torch.nn.Module):
     """nn.Module path: forward is sharded; loss.backward() fills the module's .grad as usual."""
 
     def __init__(self, module: torch.nn.Module, mesh, in_specs=None, out_specs=None, memory_budget=None,
-                 host_bandwidth=None, ring=None, host_memory=None):
+                 host_bandwidth=None, ring=None, host_memory=None, tiles=None):
         super().__init__()
         self.module = module
         self._step = shard(self._call, mesh, in_specs=in_specs, out_specs=out_specs, memory_budget=memory_budget,
-                           host_bandwidth=host_bandwidth, host_memory=host_memory, ring=ring)
+                           host_bandwidth=host_bandwidth, host_memory=host_memory, ring=ring, tiles=tiles)
         # a module wrapped by torch's fully_shard: its parameters are read as DTensors, its hooks not run
         self._step.trace_context = lambda: fsdp_hooks_off(module)
 
@@ -280,8 +297,8 @@ class ShardedModule(torch.nn.Module):
 
 
 def compile(model: torch.nn.Module, mesh, *, in_specs=None, out_specs=None, memory_budget=None,  # noqa: A001
-            host_bandwidth=None, host_memory=None, ring=None) -> ShardedModule:
-    return ShardedModule(model, mesh, in_specs, out_specs, memory_budget, host_bandwidth, ring, host_memory)
+            host_bandwidth=None, host_memory=None, ring=None, tiles=None) -> ShardedModule:
+    return ShardedModule(model, mesh, in_specs, out_specs, memory_budget, host_bandwidth, ring, host_memory, tiles)
 
 
 def _differentiable(params):
@@ -299,7 +316,7 @@ def _device_of(args) -> str:
 
 
 def plan(fn, mesh, *args, memory_budget=None, in_specs=None, host_bandwidth=None, host_memory=None,
-         device: str | None = None, ring=None):
+         device: str | None = None, ring=None, tiles=None):
     """The remat plan of value_and_grad(fn, mesh, memory_budget=...) on these arguments; runs nothing.
 
     Arguments may be meta tensors. The gradient is taken w.r.t. the first argument, as in
@@ -312,11 +329,11 @@ def plan(fn, mesh, *args, memory_budget=None, in_specs=None, host_bandwidth=None
     args = (_differentiable(args[0]),) + tuple(args[1:])
     _, local = Sharded(fn, mesh, in_specs, ring=ring).graphs(*args)
     return plan_step(local, memory_budget, device=device or _device_of(args), host_bandwidth=host_bandwidth,
-                     host_memory=host_memory)[0]
+                     host_memory=host_memory, tiles=_check_tiles(tiles, memory_budget))[0]
 
 
 def explain(fn, mesh, *args, in_specs=None, memory_budget=None, host_bandwidth=None, host_memory=None,
-            ring=None) -> str:
+            ring=None, tiles=None) -> str:
     """The chain printed: the global trace, the per-rank graph with layouts and collectives, and,
     with a memory_budget, the remat plan with its predicted peak (the gradient is taken w.r.t.
     the first argument, as in value_and_grad)."""
@@ -336,7 +353,7 @@ def explain(fn, mesh, *args, in_specs=None, memory_budget=None, host_bandwidth=N
     if memory_budget is not None:
         from autosp.remat import plan_step
         plan, program, _, _ = plan_step(local, memory_budget, device=_device_of(args), host_bandwidth=host_bandwidth,
-                                        host_memory=host_memory)
+                                        host_memory=host_memory, tiles=_check_tiles(tiles, memory_budget))
         parts += [str(plan), str(program.forward), str(program.backward)]
     return "\n\n".join(parts)
 

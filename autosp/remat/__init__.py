@@ -36,26 +36,114 @@ def joint_of(local):
     return hit
 
 
+def tiling_levels(chains, min_tile: int = 16, levels: int = 6) -> list[dict[str, int]]:
+    """The tilings the planner tries, least first: none, then each chain in as many tiles (powers of
+    two, tiles of at least `min_tile` positions) as hold its widest value within a threshold that
+    falls fourfold per level, from a quarter of the widest value of all."""
+    out: list[dict[str, int]] = [{}]
+    if not chains:
+        return out
+    widest = max(c.wide_bytes for c in chains)
+    for j in range(1, levels + 1):
+        limit = widest / 4 ** j
+        ks = {}
+        for c in chains:
+            k = 1
+            while c.wide_bytes / k > limit and 2 * k <= c.length // min_tile:
+                k *= 2
+            if k > 1:
+                ks[c.id] = k
+        if ks and ks != out[-1]:
+            out.append(ks)
+    return out
+
+
+def _by_id(tiles: dict, chains) -> dict[str, int]:
+    """A tiling by chain name ('loss', 'mlp' for every MLP, 'mlp.3') -> by Chain.id."""
+    from autosp.errors import AutospError
+    names = {c.name for c in chains} | {c.name.split(".")[0] for c in chains}
+    unknown = sorted(set(tiles) - names)
+    if unknown:
+        found = ", ".join(c.name for c in chains) or "none"
+        raise AutospError(f"tiles={tiles!r}: no chain named {', '.join(map(repr, unknown))} in this program (chains "
+                          f"found: {found}). Fix: name chains as autosp.explain prints them, 'mlp' for every MLP.")
+    out = {}
+    for c in chains:
+        k = tiles.get(c.name, tiles.get(c.name.split(".")[0], 1))
+        if k > 1:
+            out[c.id] = k
+    return out
+
+
+def _planned(local, memory_budget, dev, *, host_memory=None, refine: bool = True, tiles=None):
+    """(Plan, Program, Joint, StepBoundary, tiling) of the step under the budget: untiled first, then
+    the tilings of tiling_levels (passes/tile.py) until a plan fits (`tiles`: that tiling alone, a
+    dict Chain.id -> k). A budget given as a fraction is of the untiled step's no-remat peak."""
+    from dataclasses import replace
+
+    from autosp.passes.tile import find_chains, tile
+    offload = dev.host_bw is not None
+    chains = find_chains(local)
+    if tiles is not None:
+        levels = [_by_id(tiles, chains)]
+    elif memory_budget is None or not chains:
+        levels = [{}]
+    else:
+        levels = tiling_levels(chains)
+    kind, amount = parse_budget(memory_budget) if memory_budget is not None else (None, None)
+    if kind == "least":
+        levels = levels[-1:]                     # the most tiles: the least peak
+    budget = memory_budget
+    if kind == "fraction" and len(levels) > 1:
+        boundary, joint = joint_of(local)
+        whole = make_plan(joint, None, dev, offload=offload, host_memory=host_memory)[0]
+        budget = int(amount * whole.no_remat_peak_bytes)
+    by_id = {c.id: c for c in chains}
+    for n, ks in enumerate(levels):
+        graph = tile(local, ks, chains) if ks else local
+        boundary, joint = joint_of(graph)
+        last = n == len(levels) - 1
+        try:
+            plan, program = make_plan(joint, budget, dev, offload=offload, host_memory=host_memory, refine=refine,
+                                      search=last)
+        except BudgetError as exc:
+            if not last:
+                continue
+            if ks:
+                what = ", ".join(f"{by_id[i].name} in {k} tiles" for i, k in ks.items())
+                raise BudgetError(f"{exc} (Tiled along the sequence as far as autosp goes: {what}.)",
+                                  least_peak_bytes=exc.least_peak_bytes) from None
+            raise
+        if ks:
+            from autosp.passes.tile import tile_sizes
+            tiling = tuple((by_id[i].name, k, by_id[i].wide_bytes,
+                            by_id[i].wide_bytes * max(tile_sizes(by_id[i].length, k)) // by_id[i].length)
+                           for i, k in ks.items())
+            plan = replace(plan, tiling=tiling)
+        return plan, program, joint, boundary, ks
+    raise AssertionError("unreachable")
+
+
 def plan_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=None, host_memory=None,
-              offload: bool | None = None, refine: bool = True):
+              offload: bool | None = None, refine: bool = True, tiles=None):
     """(Plan, Program, Joint, StepBoundary) for a sharded forward graph; runs nothing. The one planning
     entry of autosp.plan, autosp.explain and the command line. `offload`: None plans offload where the
     device has a host link (a GPU, or `host_bandwidth`), False never; `host_memory`: bytes per rank
-    (or '64GiB') the offloaded values may take, None no limit; `refine`: make_plan's."""
+    (or '64GiB') the offloaded values may take, None no limit; `refine`: make_plan's; `tiles`: a
+    tiling to plan with (Chain.id -> k) instead of the search."""
     from dataclasses import replace
 
     from autosp.remat.cost import device_for
-    boundary, joint = joint_of(local)
     dev = device_for(device, host_bandwidth)
     if offload is False:
         dev = replace(dev, host_bw=None)
-    plan, program = make_plan(joint, memory_budget, dev, offload=dev.host_bw is not None, host_memory=host_memory,
-                              refine=refine)
+    plan, program, joint, boundary, _ = _planned(local, memory_budget, dev, host_memory=host_memory, refine=refine,
+                                                 tiles=tiles)
     return plan, program, joint, boundary
 
 
 def compile_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=None, host_memory=None,
-                 group: str | None = None):
+                 group: str | None = None, tiles=None):
     """(Plan, runner): the step that runs the plan. With a process group, its first rank plans and
     broadcasts the plan (recomputed collectives must match across ranks, and a shared host plans
     once); a refused budget is raised on every rank."""
@@ -64,26 +152,28 @@ def compile_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=No
     from autosp.remat.apply import apply_plan
     from autosp.remat.cost import device_for
     from autosp.remat.runtime import Runner
-    boundary, joint = joint_of(local)
+    from autosp.passes.tile import tile
     dev = device_for(device, host_bandwidth)
     pg = _pg(group) if group is not None else None
     if pg is None or dist.get_world_size(pg) == 1:
-        plan, program = make_plan(joint, memory_budget, dev, offload=dev.host_bw is not None,
-                                  host_memory=host_memory)
+        plan, program, joint, boundary, _ = _planned(local, memory_budget, dev, host_memory=host_memory,
+                                                     tiles=tiles)
         return plan, Runner(program, joint, boundary)
     box = [None]
     if dist.get_rank(pg) == 0:
         try:
-            plan, program = make_plan(joint, memory_budget, dev, offload=dev.host_bw is not None,
-                                      host_memory=host_memory)
+            plan, program, joint, boundary, ks = _planned(local, memory_budget, dev, host_memory=host_memory,
+                                                          tiles=tiles)
             recomputed = _recomputed(joint, program)
-            box = [(plan, tuple(program.saved), recomputed, tuple(program.offloaded))]
+            box = [(plan, tuple(program.saved), recomputed, tuple(program.offloaded), ks)]
         except Exception as exc:  # noqa: BLE001 - every rank raises what the planning rank raised
             box = [exc]
     dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
     if isinstance(box[0], Exception):
         raise box[0]
-    plan, saved, recomputed, offloaded = box[0]
+    plan, saved, recomputed, offloaded, ks = box[0]
+    if dist.get_rank(pg) != 0:                   # the same tiling, then the same plan
+        boundary, joint = joint_of(tile(local, ks) if ks else local)
     program = apply_plan(joint, saved, recomputed, offloaded)
     return plan, Runner(program, joint, boundary)
 

@@ -73,6 +73,7 @@ class Plan:
     device: str
     offload_seconds: float = 0.0         # the host transfers' modelled time (out and back, on a side stream)
     host_memory_bytes: int | None = None     # the host capacity per rank the plan was held to (None: no limit)
+    tiling: tuple[tuple[str, int, int, int], ...] = ()   # (chain, k tiles, widest value whole, per tile)
 
     @property
     def saved_bytes(self) -> int:
@@ -100,6 +101,9 @@ class Plan:
             host = f"{cap}, host transfers {self.offload_seconds * 1e3:.3g} ms modelled"
         lines.append(f"totals: saved {_fmt(self.saved_bytes)}, offloaded {_fmt(self.offload_bytes)}{host}, "
                      f"recompute {self.recompute_flops:.3g} FLOPs ({self.recompute_seconds * 1e3:.3g} ms modelled)")
+        for name, k, whole, tile in self.tiling:
+            lines.append(f"tiled: {name} in {k} tiles along the sequence (its widest value {_fmt(whole)} whole, "
+                         f"{_fmt(tile)} per tile: {_fmt(whole - tile)} less live at once)")
         return "\n".join(lines)
 
 
@@ -229,12 +233,14 @@ def solve_placed(problem: IlpProblem, needs: Needs, budget: float | None, *, min
 
 
 def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, host_memory=None,
-              template: bool | None = None, refine: bool = True) -> tuple[Plan, Program]:
+              template: bool | None = None, refine: bool = True, search: bool = True) -> tuple[Plan, Program]:
     """The plan for `budget` and its programs. `template`: tie identical layers (template.py);
     None ties them when the problem is large (more than 200 binaries). budget="least": the plan
     with the smallest peak found. With `refine` False the plan is any that fits, not the cheapest
     (no cost-minimising solve, the slowest kind): what the planning command's length search asks.
-    `host_memory`: bytes per rank (or '64GiB') the offloaded values may take; None: no limit."""
+    `host_memory`: bytes per rank (or '64GiB') the offloaded values may take; None: no limit.
+    `search` False: where the budget's solves find no plan, refuse at once, without the least-peak
+    search (the tiling search asks so of the tilings it passes by)."""
     host = parse_host_memory(host_memory)
     host = host if offload else None              # without a host link nothing is offloaded anyway
     unlimited, needs = build(joint, device, offload=offload)
@@ -280,6 +286,9 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, ho
             break
         model_budget -= (peak - target) + 0.002 * target
     least_peak = None
+    if best is None and not search:
+        raise BudgetError(f"autosp remat: memory_budget={budget!r} ({_fmt(target)} per rank): the budget's solves "
+                          "found no plan (the least-peak search was not asked for).")
     if best is None:
         # the smallest peak the planner reaches, by bisection on feasibility (minimising the peak
         # directly is a much harder MIP); its plan is used if it fits, else the budget is refused
