@@ -1,10 +1,17 @@
 """The longest sequence each method trains within a fixed per-rank memory, measured on CPU.
 
     .venv/bin/python bench/longest_sequence.py [--memory 64] [--layers 4] [--hidden 128] [--sp 2] [--steps 3]
+        [--methods ulysses,ulysses+ckpt,alst,autosp] [--alst-loss-slice MiB] [--check-len 1024]
 
-Methods, on the same HF Llama (sdpa) and SP gloo ranks (1 thread each):
+Methods (--methods, default all), on the same HF Llama (sdpa) and SP gloo ranks (1 thread each):
   ulysses        hand-written Ulysses: DeepSpeed's DistributedAttention (bench/sp_vs_ulysses.py), no checkpointing
   ulysses+ckpt   the same with per-layer full checkpointing (HF gradient checkpointing)
+  alst           ALST's recipe as DeepSpeed 0.19 ships it (bench/alst.py): ulysses+ckpt, plus DeepSpeed's
+                 TiledMLP around every decoder layer's MLP and TiledFusedLogitsLoss for lm head + loss;
+                 tiles as ALST picks them: MLP ceil(local s / hidden), loss ceil(fp32 local logits /
+                 slice), the slice ArcticTraining's 1 GiB on 80 GiB GPUs scaled to --memory (memory / 80)
+                 unless --alst-loss-slice; before the search, its loss and grads at --check-len are held
+                 to the single-device eager run (relative 1e-5, or the run stops)
   autosp         autosp.value_and_grad with memory_budget = the memory (the ILP plan; a length the planner
                  refuses does not fit)
 A length fits when the step's peak per rank -- bytes allocated above what was live before the step,
@@ -12,7 +19,8 @@ from the profiler's allocation events (autosp.memory.peak_bytes), the largest ov
 most --memory MiB. Per method the search brackets the answer (a fitting length, a failing one) and
 probes where the line through the two nearest measured peaks meets the memory, else halfway, until
 the bracket is one --granularity wide. Then the step times (forward + backward, median of --steps,
-methods round-robin) of ulysses and autosp at ulysses' longest length, and of autosp at its own.
+all timed steps round-robin, so each pair alternates A/B): autosp against ulysses at ulysses' longest
+length, autosp against alst at alst's longest, and autosp at its own longest.
 """
 from __future__ import annotations
 
@@ -26,6 +34,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+METHODS = ("ulysses", "ulysses+ckpt", "alst", "autosp")
+RTOL = 1e-5            # fp32 loss and grads against the single device, as the tests hold autosp
 
 
 def search(fits, memory: int, g: int, start: int, cap: int, log, secant: bool = True):
@@ -76,6 +87,7 @@ def _job(rank, world, args):
     import autosp
     import deepspeed
     from autosp.memory import peak_bytes
+    from bench.alst import alst_copy, alst_step, check_alst, loss_tiles, mlp_tiles
     from bench.sp_vs_ulysses import register_ulysses_attention, ulysses_batch, ulysses_copy, ulysses_step
     from tests.models import batch, llama_loss, params_of, tiny_llama
 
@@ -89,8 +101,11 @@ def _job(rank, world, args):
     fn, params = llama_loss(model), params_of(model)
     live = {k: v.requires_grad_(True) for k, v in params.items()}
     register_ulysses_attention(sp)
-    ds = {"ulysses": ulysses_copy(model), "ulysses+ckpt": ulysses_copy(model, checkpointing=True)}
+    builders = {"ulysses": ulysses_copy, "ulysses+ckpt": lambda m: ulysses_copy(m, checkpointing=True),
+                "alst": alst_copy}
+    ds = {m: builders[m](model) for m in args.methods if m in builders}
     memory = int(args.memory * 2**20)
+    slice_bytes = args.alst_loss_slice * 2**20
     say = print if rank == 0 else (lambda *a, **k: None)
     steps = {}
 
@@ -101,6 +116,11 @@ def _job(rank, world, args):
 
     def make(method, s):
         ids, labels = batch(1, s, args.vocab, seed=0)
+        if method == "alst":
+            local = ulysses_batch(ids, labels, sp)
+            say(f"    s={s}: alst tiles: MLP {mlp_tiles(s // world, args.hidden)}, "
+                f"loss {loss_tiles(s // world, args.vocab, slice_bytes)}", flush=True)
+            return lambda: alst_step(ds["alst"], local, sp, slice_bytes)
         if method in ds:
             local = ulysses_batch(ids, labels, sp)
             m = ds[method]
@@ -137,8 +157,19 @@ def _job(rank, world, args):
             return peak <= memory, peak
         return probe
 
+    if "alst" in ds:
+        errs, tiles = check_alst(ds["alst"], sp, args.check_len, slice_bytes, fn, params, args.vocab)
+        worst_err = worst(max(errs.values()))
+        say(f"  alst vs single-device eager at s={args.check_len} (tiles: MLP {tiles['mlp']}, loss "
+            f"{tiles['loss']}): loss and {len(errs) - 1} grads, max relative error {worst_err:.2e} "
+            f"over ranks ({'ok' if worst_err <= RTOL else 'FAILED'}, tolerance {RTOL:g})", flush=True)
+        if not worst_err <= RTOL:
+            bad = sorted(errs.items(), key=lambda kv: -kv[1])[:5]
+            raise AssertionError(f"alst differs from the single device at s={args.check_len} (rank {rank}): "
+                                 + ", ".join(f"{k} {e:.2e}" for k, e in bad))
+
     found = {}
-    for method in ("ulysses", "ulysses+ckpt", "autosp"):
+    for method in args.methods:
         t0 = time.perf_counter()
         say(f"  {method}:", flush=True)
         free_grads()
@@ -148,8 +179,12 @@ def _job(rank, world, args):
         say(f"  {method}: longest {found[method]} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
     def timed(pairs):
-        times = {p: [] for p in pairs}
         fns = {p: steps.get(p) or make(*p) for p in pairs}
+        refused = [p for p in pairs if worst(fns[p] is None)]       # autosp's plan refuses that length
+        for p in refused:
+            say(f"  {p[0]} @ {p[1]}: refused (does not fit), not timed", flush=True)
+        pairs = [p for p in pairs if p not in refused]
+        times = {p: [] for p in pairs}
         for p in pairs:
             free_grads()
             fns[p]()
@@ -163,8 +198,17 @@ def _job(rank, world, args):
                 times[p].append(time.perf_counter() - t0)
         return {p: statistics.median(t) for p, t in times.items()}
 
-    short = found["ulysses"]
-    times = timed([("ulysses", short), ("autosp", short), ("autosp", found["autosp"])])
+    # each baseline against autosp at the baseline's longest length, then autosp at its own
+    pairs = []
+    for base in ("ulysses", "alst"):
+        if base in found and found[base]:
+            pairs += [(base, found[base])] + ([("autosp", found[base])] if "autosp" in found else [])
+    if found.get("autosp"):
+        pairs.append(("autosp", found["autosp"]))
+    pairs = list(dict.fromkeys(pairs))
+    if not pairs:              # neither ulysses, alst nor autosp: each method at its own longest
+        pairs = [(m, s) for m, s in found.items() if s]
+    times = timed(pairs)
     return found, {f"{m} @ {s}": t for (m, s), t in times.items()}
 
 
@@ -181,25 +225,47 @@ def main(argv=None):
     ap.add_argument("--start", type=int, default=2048)
     ap.add_argument("--cap", type=int, default=1 << 17)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated, of " + ", ".join(METHODS))
+    ap.add_argument("--alst-loss-slice", type=float, default=None,
+                    help="alst: MiB of fp32 logits per loss tile (default memory / 80, ALST's 1 GiB on 80 GiB)")
+    ap.add_argument("--check-len", type=int, default=1024, help="alst's check against the single device")
     args = ap.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown or not args.methods:
+        ap.error(f"--methods: unknown {unknown}; pick from {', '.join(METHODS)}")
+    if args.alst_loss_slice is None:
+        from bench.alst import SLICE_PER_MEMORY
+        args.alst_loss_slice = args.memory * SLICE_PER_MEMORY
     from tests.dist import run_ranks
     print("# " + " ".join([".venv/bin/python", "bench/longest_sequence.py"] + [shlex.quote(a) for a in
                                                                                  (argv or sys.argv[1:])]))
     print(f"# HF Llama layers={args.layers} hidden={args.hidden} heads={args.heads}/{args.kv_heads} "
           f"vocab={args.vocab}; SP={args.sp} gloo x 1 thread; {args.memory:g} MiB per rank; torch {torch.__version__}",
           flush=True)
+    print(f"# methods: {', '.join(args.methods)}" + (
+        f"; alst tiles: MLP ceil(local s / {args.hidden}), loss ceil(local s x {args.vocab} x 4 B / "
+        f"{args.alst_loss_slice:g} MiB)" if "alst" in args.methods else ""), flush=True)
     t0 = time.perf_counter()
     found, times = run_ranks(_job, args.sp, args, timeout=7200)[0]
-    u = found["ulysses"]
-    print("\n| method | longest global sequence | vs ulysses |\n|---|---|---|")
+    bases = [b for b in ("ulysses", "alst") if found.get(b)]
+    print("\n| method | longest global sequence |" + "".join(f" vs {b} |" for b in bases)
+          + "\n|---|---|" + "---|" * len(bases))
     for m, s in found.items():
-        print(f"| {m} | {s:,} | {s / u:.2f}x |")
+        print(f"| {m} | {s or 0:,} |" + "".join(f" {(s or 0) / found[b]:.2f}x |" for b in bases))
     print("\n| step (fwd+bwd) | median (s) |\n|---|---|")
     for k, t in times.items():
         print(f"| {k} | {t:.3f} |")
-    ratio = times[f"autosp @ {u}"] / times[f"ulysses @ {u}"]
-    print(f"\nautosp / ulysses: {found['autosp'] / u:.2f}x the length (target >= 2.7x); step time at {u:,}: "
-          f"{ratio:.3f}x (target <= 1.1x); total {time.perf_counter() - t0:.0f} s")
+    print()
+    for base, target in (("ulysses", 2.7), ("alst", 1.5)):
+        b = found.get(base)
+        if not b or "autosp" not in found:
+            continue
+        at = times.get(f"autosp @ {b}")
+        step = f"{at / times[f'{base} @ {b}']:.3f}x (target <= 1.1x)" if at is not None else "autosp refuses it"
+        print(f"autosp / {base}: {found['autosp'] / b:.2f}x the length (target >= {target}x); "
+              f"step time at {b:,}: {step}")
+    print(f"total {time.perf_counter() - t0:.0f} s")
 
 
 if __name__ == "__main__":
