@@ -382,7 +382,8 @@ def test_a_plan_priced_at_two_lengths_is_exact_at_a_third():
     # `autosp plan` prices one remat plan at two lengths and solves for the longest: a fixed program's bytes
     # at every point are affine in the length. Replayed at a third length, the simulated step says the same
     # to the byte; a value whose two sizes both grow (bytes quadratic in the length) is refused.
-    from autosp.remat import joint_of, simulate_step
+    from autosp.passes.tile import find_chains, tile
+    from autosp.remat import _by_id, joint_of, simulate_step
     from autosp.remat.apply import apply_plan
     from autosp.run.meshes import fake_world, planning_mesh
     from autosp.run.models import model_config
@@ -392,7 +393,9 @@ def test_a_plan_priced_at_two_lengths_is_exact_at_a_third():
         tracer = Tracer(model_config("tiny"), planning_mesh(2, 1), torch.float32, 1, 2, shard_params=True)
         q = probe(tracer, l1, l2, "cpu", False, parallel=False)
         aff = Affine.fit(l1, q.plan[l1][0], l2, q.plan[l2][0])
-        third = apply_plan(joint_of(tracer.trace(l3, single=False).local)[1], *q.decisions)
+        local3 = tracer.trace(l3, single=False).local           # tiled as the plan is, if it is
+        tiles = {name: k for name, k, _, _ in q.tiling}
+        third = apply_plan(joint_of(tile(local3, _by_id(tiles, find_chains(local3))))[1], *q.decisions)
         values, _ = _profile(third, "cpu")
         assert np.array_equal(aff.a + aff.b * l3, values)
         assert aff.peak(l3) == simulate_step(third, "cpu").peak

@@ -60,9 +60,16 @@ class Chain:
     outputs: tuple[str, ...]         # sequence values concatenated from the tiles
     length: int                      # the local sequence length the chain runs on
     wide_bytes: int                  # its widest value, untiled (per rank)
+    in_bytes: int                    # its widest sequence input (per rank)
 
-    def k_max(self) -> int:
-        return self.length
+    def k_max(self, min_tile: int = 16) -> int:
+        """The most tiles worth having: a power of two that brings the widest value down to about the
+        size of the chain's input (more tiles would not lower the peak: the input is live anyway), with
+        tiles of at least `min_tile` positions."""
+        k = 1
+        while self.wide_bytes / k > self.in_bytes and 2 * k <= self.length // min_tile:
+            k *= 2
+        return k
 
 
 def _seq_len(v: Var) -> int:
@@ -204,8 +211,9 @@ def _describe(members, eqns, producer, consumers, returned):
     if len(lengths) != 1:
         return None
     wide = max(o.nbytes() for o in made.values() if o.dtype is not None)
+    narrow = max(v.nbytes() for v in inputs.values())
     first = eqns[members[0]].outputs[0].name
-    return (first, tuple(members), tuple(inputs), tuple(outputs), lengths.pop(), wide)
+    return (first, tuple(members), tuple(inputs), tuple(outputs), lengths.pop(), wide, narrow)
 
 
 def tile_sizes(length: int, k: int) -> list[int]:

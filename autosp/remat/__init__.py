@@ -36,10 +36,10 @@ def joint_of(local):
     return hit
 
 
-def tiling_levels(chains, min_tile: int = 16, levels: int = 6) -> list[dict[str, int]]:
+def tiling_levels(chains, levels: int = 6) -> list[dict[str, int]]:
     """The tilings the planner tries, least first: none, then each chain in as many tiles (powers of
-    two, tiles of at least `min_tile` positions) as hold its widest value within a threshold that
-    falls fourfold per level, from a quarter of the widest value of all."""
+    two, at most Chain.k_max) as hold its widest value within a threshold that falls fourfold per
+    level, from a quarter of the widest value of all."""
     out: list[dict[str, int]] = [{}]
     if not chains:
         return out
@@ -48,8 +48,8 @@ def tiling_levels(chains, min_tile: int = 16, levels: int = 6) -> list[dict[str,
         limit = widest / 4 ** j
         ks = {}
         for c in chains:
-            k = 1
-            while c.wide_bytes / k > limit and 2 * k <= c.length // min_tile:
+            k, top = 1, c.k_max()
+            while c.wide_bytes / k > limit and k < top:
                 k *= 2
             if k > 1:
                 ks[c.id] = k

@@ -42,11 +42,19 @@ def eqn_classes(eqns, radius: int = 3) -> list[int]:
 
     color = [number(("e", e.op.name, _static(e), tuple(vtype(x) for x in e.inputs),
                      tuple(vtype(o) for o in e.outputs))) for e in eqns]
-    producer = {o.name: (k, i) for k, e in enumerate(eqns) for i, o in enumerate(e.outputs)}
+    # the outputs of a split into pieces of one type, and the inputs of a cat of pieces of one type,
+    # are interchangeable here (a tiled chain's tiles, passes/tile.py): their position is not part of
+    # the colour, so the tiles of a chain share classes and are planned alike
+    def alike(vs) -> bool:
+        return len(vs) > 1 and len({vtype(v) for v in vs}) == 1
+
+    producer = {o.name: (k, 0 if e.multi and alike(e.outputs) else i)
+                for k, e in enumerate(eqns) for i, o in enumerate(e.outputs)}
     readers: dict[str, list[tuple[int, int]]] = {}
     for k, e in enumerate(eqns):
+        same = e.op.name == "cat" and alike(e.inputs)
         for pos, x in enumerate(e.inputs):
-            readers.setdefault(x.name, []).append((k, pos))
+            readers.setdefault(x.name, []).append((k, 0 if same else pos))
     for _ in range(radius):
         def vcolor(x: Var):
             if x.name in producer:

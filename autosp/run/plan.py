@@ -183,6 +183,7 @@ class Probe:
     plan: dict              # length -> _priced of that plan's program
     decisions: tuple        # that plan: (saved names, recomputed forward equations, offloaded names)
     offload_seconds: float  # that plan's host transfers at l2 (the cost model's), in proportion to their bytes
+    tiling: tuple = ()      # that plan's tiled chains (Plan.tiling, at l2)
 
 
 def probe_short(tracer, l1: int, l2: int, device: str):
@@ -197,16 +198,31 @@ def probe_short(tracer, l1: int, l2: int, device: str):
 
 
 def probe_long(tracer, l2: int, device: str, offload: bool, host_memory: int | None = None):
-    """The SP no-remat program at l2, and the plan with the least peak found there: its price and its
-    decisions (saved, recomputed, offloaded), to be replayed at l1."""
-    from autosp.remat import _recomputed, joint_of
+    """The SP no-remat program at l2, and the plan with the least peak found there (its tiling of the
+    position-wise chains included): its price and its decisions (saved, recomputed, offloaded), to be
+    replayed at l1."""
+    from autosp.remat import _recomputed, plan_step
     p = tracer.trace(l2, single=False)
     profile = _no_remat(p.local, device)
-    plan, program = _step(p.local, "least", device, offload, refine=False, host_memory=host_memory)
-    joint = joint_of(p.local)[1]
+    plan, program, joint, _ = plan_step(p.local, "least", device=device, offload=offload, refine=False,
+                                        host_memory=host_memory)
     decisions = (program.saved, _recomputed(joint, program), program.offloaded)
-    return (profile, (plan.peak_bytes, plan.offload_seconds), _priced(program, device), decisions,
-            signature(joint.graph))
+    tiles = {name: k for name, k, _, _ in plan.tiling}
+    return (profile, (plan.peak_bytes, plan.offload_seconds, plan.tiling), _priced(program, device), decisions,
+            tiles, signature(joint.graph))
+
+
+def _tiled_names(tiling) -> list[str]:
+    """'loss in 64 tiles', 'mlp.0-31 in 4 tiles': Plan.tiling grouped by chain family and tiles."""
+    groups: dict[tuple[str, int], list[str]] = {}
+    for name, k, _, _ in tiling:
+        groups.setdefault((name.split(".")[0], k), []).append(name)
+    out = []
+    for (family, k), names in groups.items():
+        idx = [n.split(".")[1] for n in names if "." in n]
+        label = family if not idx else (f"{family}.{idx[0]}" if len(idx) == 1 else f"{family}.{idx[0]}-{idx[-1]}")
+        out.append(f"{label} in {k} tiles")
+    return out
 
 
 def signature(graph) -> list:
@@ -237,16 +253,18 @@ def probe(tracer, l1: int, l2: int, device: str, offload: bool, parallel: bool =
     """Both probe lengths: the short one here, the long one (with the least-peak search, the slowest
     part) in a forked process; the plan found at l2 is then replayed on the step at l1, so a fixed
     program is priced at both lengths (its bytes are affine in the length)."""
-    from autosp.remat import joint_of
+    from autosp.passes.tile import find_chains, tile
+    from autosp.remat import _by_id, joint_of
     from autosp.remat.apply import apply_plan
-    (profiles, local1, singles), (profile2, (least, seconds), priced2, (saved, recomputed, offloaded), sig2) = _both(
+    (profiles, local1, singles), (profile2, (least, seconds, tiling), priced2, (saved, recomputed, offloaded), tiles,
+                                  sig2) = _both(
         lambda: probe_short(tracer, l1, l2, device), lambda: probe_long(tracer, l2, device, offload, host_memory), parallel)
     profiles[("sp", l2)] = profile2
-    joint1 = joint_of(local1)[1]
+    joint1 = joint_of(tile(local1, _by_id(tiles, find_chains(local1))) if tiles else local1)[1]
     check_affine(signature(joint1.graph), l1, sig2, l2)
     check_affine(*singles)
     priced1 = _priced(apply_plan(joint1, saved, recomputed, offloaded), device)
-    return Probe(profiles, least, {l1: priced1, l2: priced2}, (saved, recomputed, offloaded), seconds)
+    return Probe(profiles, least, {l1: priced1, l2: priced2}, (saved, recomputed, offloaded), seconds, tiling)
 
 
 def _both(first, second, parallel: bool = True):
@@ -519,6 +537,7 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
                             tuple(int(_line(a, l1, b, l2).peak(length)) for a, b in zip(ca, cb)),
                             f"the plan with the least peak found at {l2:,} ({fmt(q.least)}), replayed at {l1:,}, "
                             f"fits up to {length:,}"
+                            + (f"; it tiles {', '.join(_tiled_names(q.tiling))}" if q.tiling else "")
                             + (f"; it offloads {fmt(host_bytes)} to host memory per rank" if host_bytes else "")))
             host_line = _host_line(host, host_memory is not None, world, offload, host_bytes,
                                    q.offload_seconds * host_bytes / hb if hb else None)
