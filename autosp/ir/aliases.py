@@ -4,6 +4,8 @@ and which value owns each storage. Read off the op schemas' alias annotations; t
 """
 from __future__ import annotations
 
+import torch
+
 from autosp.ir.core import Eqn, Graph, In
 
 _VIEW_LIKE = {"_unsafe_view"}                   # no alias annotation, but a view of its input
@@ -36,14 +38,19 @@ def _aliases(e: Eqn) -> list[int | None]:
     # argument template (In(k) holes), not by binding it (this runs for every equation of every
     # program the planner simulates)
     arg_sets = {}
+    spread = None                       # `Tensor(a -> *) self ... -> Tensor(a)[]`: a list of views of self
     args, kwargs = e.args, dict(e.kwargs)
     for i, a in enumerate(schema.arguments):
         val = args[i] if i < len(args) else kwargs.get(a.name)
         if a.alias_info is not None and isinstance(val, In):
             for s in a.alias_info.before_set:
                 arg_sets.setdefault(s, e.inputs.index(e.inputs[val.k]))
+            if "*" in a.alias_info.after_set:
+                spread = e.inputs.index(e.inputs[val.k])
     out: list[int | None] = []
     rets = schema.returns
+    if spread is not None and len(rets) == 1 and isinstance(rets[0].type, torch.ListType) and rets[0].alias_info:
+        return [spread] * n
     for k in range(n):
         r = rets[min(k, len(rets) - 1)] if rets else None
         hit = None

@@ -2,8 +2,8 @@
 
 A chain is a connected set of equations that are position-wise along the local sequence and make a
 value wider per token than what enters them: the MLP (gate / up -> activation -> multiply -> down,
-[s, h] -> [s, f] -> [s, h]) and the loss head (lm head -> cross-entropy per token, [s, h] ->
-[s, vocab] -> [s]). Tiled k ways, the chain's sequence inputs are split along the sequence
+[s, h] -> [s, f] -> [s, h]), the loss head (lm head -> cross-entropy per token, [s, h] -> [s, vocab]
+-> [s]) and a norm that computes in fp32 on bf16 values (named mlp.i, loss, norm.i). Tiled k ways, the chain's sequence inputs are split along the sequence
 (`split_with_sizes`), the chain runs once per tile, and its outputs (narrow again) are concatenated:
 
     %79: f32[1 (sp s) 64]  ->  split  ->  gate, up, silu, mul, down on [1, s/k, ...]  x k  ->  cat  ->  %84
@@ -14,7 +14,7 @@ placed right before their first reader, the tile's own backward), and the parame
 sum over the tiles by autodiff. The result is exact: every position sees the same operations, and
 a sum over tiles is the same sum (cross-entropy stays per token; its sum is outside the chain).
 
-    chains = find_chains(local)             # [Chain(name='loss', k_max, wide_bytes, ...), ...]
+    chains = find_chains(local)             # [Chain(name='mlp.0', ...), ..., Chain(name='loss', ...)]
     tiled = tile(local, {c.id: 8 for c in chains})
 
 A chain whose wide value is read outside it (it would exist whole anyway), that draws random
@@ -146,14 +146,15 @@ def find_chains(graph: Graph) -> list[Chain]:
             c = c | m
         merged.append(c)
     out = []
-    n_mlp = 0
+    counts: dict[str, int] = {}
     for members in sorted(merged, key=min):
         chain = _describe(sorted(members), eqns, producer, consumers, returned)
         if chain is None:
             continue
-        is_loss = any(eqns[i].op.name in _LOSS for i in members)
-        name = "loss" if is_loss else f"mlp.{n_mlp}"
-        n_mlp += 0 if is_loss else 1
+        ops = {eqns[i].op.name for i in members}
+        family = "loss" if ops & _LOSS else "mlp" if "linear" in ops else "norm"
+        name = family if family == "loss" else f"{family}.{counts.get(family, 0)}"
+        counts[family] = counts.get(family, 0) + 1
         out.append(Chain(chain[0], name, *chain[1:]))
     return out
 
@@ -186,7 +187,31 @@ def _grow(seed, ref, eqns, pw, producer, consumers, returned):
                 continue
             members.add(p)
             queue.append(p)
-    return members, ok
+    return _sandwiched(members, ok, eqns, pw, producer, consumers)
+
+
+def _sandwiched(members, ok, eqns, pw, producer, consumers):
+    """members with the equations between them added: those that read a member's value and make one a
+    member reads (a norm's mean and rsqrt, narrow, between its wide values): the chain runs as one block."""
+    lo, hi = min(members), max(members)
+    ahead, stack = set(), list(members)
+    while stack:                                   # reached from the members, before the chain ends
+        i = stack.pop()
+        for o in eqns[i].outputs:
+            for c in consumers.get(o.name, ()):
+                if c <= hi and c not in members and c not in ahead:
+                    ahead.add(c)
+                    stack.append(c)
+    behind, stack = set(), list(members)
+    while stack:                                   # reaching the members, after the chain starts
+        i = stack.pop()
+        for x in eqns[i].inputs:
+            p = producer.get(x.name)
+            if p is not None and p >= lo and p not in members and p not in behind:
+                behind.add(p)
+                stack.append(p)
+    between = ahead & behind
+    return members | between, ok and all(pw[i] for i in between)
 
 
 def _describe(members, eqns, producer, consumers, returned):

@@ -197,19 +197,65 @@ def probe_short(tracer, l1: int, l2: int, device: str):
     return profiles, p.local, singles
 
 
-def probe_long(tracer, l2: int, device: str, offload: bool, host_memory: int | None = None):
+def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory: int | None = None,
+               fit=None):
     """The SP no-remat program at l2, and the plan with the least peak found there (its tiling of the
     position-wise chains included): its price and its decisions (saved, recomputed, offloaded), to be
-    replayed at l1."""
+    replayed at l1. With offload under a host capacity the least-peak plan would fill the host at l2
+    and leave no room for longer lengths: here the step at l1 is traced too, each plan is priced at
+    both lengths, and the host capacity it plans under at l2 is scaled by l2 / the length it reaches
+    (`fit(priced) -> length`), for a few rounds; the longest wins."""
     from autosp.remat import _recomputed, plan_step
     p = tracer.trace(l2, single=False)
     profile = _no_remat(p.local, device)
-    plan, program, joint, _ = plan_step(p.local, "least", device=device, offload=offload, refine=False,
-                                        host_memory=host_memory)
-    decisions = (program.saved, _recomputed(joint, program), program.offloaded)
-    tiles = {name: k for name, k, _, _ in plan.tiling}
-    return (profile, (plan.peak_bytes, plan.offload_seconds, plan.tiling), _priced(program, device), decisions,
-            tiles, signature(joint.graph))
+
+    def least(cap):
+        plan, program, joint, _ = plan_step(p.local, "least", device=device, offload=offload, refine=False,
+                                            host_memory=cap)
+        decisions = (program.saved, _recomputed(joint, program), program.offloaded)
+        tiles = {name: k for name, k, _, _ in plan.tiling}
+        return ((plan.peak_bytes, plan.offload_seconds, plan.tiling), _priced(program, device), decisions, tiles,
+                signature(joint.graph))
+
+    if not (offload and host_memory and fit):
+        return (profile, *least(host_memory), None)
+    local1 = tracer.trace(l1, single=False).local
+    tried = []
+
+    def attempt(out):
+        priced1 = _replay(local1, out[2], out[3], device)[0]
+        length = fit({l1: priced1, l2: out[1]})
+        dev = (float(np.max(out[1][0])) - float(np.max(priced1[0]))) / (l2 - l1)    # device bytes per token
+        host = (out[1][2] - priced1[2]) / (l2 - l1)                                  # host bytes per token
+        tried.append((length, out, priced1))
+        return length, dev, host
+
+    # A: nothing offloaded (the device alone, length L_A, d_A bytes per token). Offloading h bytes per
+    # token lowers the device's to d(h); the longest length has the host full as the device is: with
+    # d(h) on the line from A to a plan C that offloads (d_C, h_C), that is at L = L_A + H / h_C (1 - d_C
+    # / d_A). A plan under the host capacity scaled to l2 / L at l2 fills the host at L: C first at twice
+    # L_A, then at the length the line says
+    length_a, d_a, _ = attempt(least(0))
+    target = 2 * max(length_a, l2)
+    for _ in range(2):
+        _, d_c, h_c = attempt(least(int(host_memory * l2 / target)))
+        if h_c <= 0 or d_a <= 0 or d_c >= d_a:
+            break
+        nxt = length_a + host_memory / h_c * (1 - d_c / d_a)
+        if abs(nxt - target) <= 0.02 * target:
+            break
+        target = nxt
+    _, out, priced1 = max(tried, key=lambda t: t[0])
+    return (profile, *out, priced1)
+
+
+def _replay(local1, decisions, tiles, device):
+    """_priced of a plan made at another length (decisions, tiling by chain name) on the step `local1`."""
+    from autosp.passes.tile import find_chains, tile
+    from autosp.remat import _by_id, joint_of
+    from autosp.remat.apply import apply_plan
+    joint1 = joint_of(tile(local1, _by_id(tiles, find_chains(local1))) if tiles else local1)[1]
+    return _priced(apply_plan(joint1, *decisions), device), joint1
 
 
 def _tiled_names(tiling) -> list[str]:
@@ -249,22 +295,20 @@ def check_affine(a: list, l1: int, b: list, l2: int) -> None:
 
 
 def probe(tracer, l1: int, l2: int, device: str, offload: bool, parallel: bool = True,
-          host_memory: int | None = None) -> Probe:
+          host_memory: int | None = None, fit=None) -> Probe:
     """Both probe lengths: the short one here, the long one (with the least-peak search, the slowest
     part) in a forked process; the plan found at l2 is then replayed on the step at l1, so a fixed
     program is priced at both lengths (its bytes are affine in the length)."""
-    from autosp.passes.tile import find_chains, tile
-    from autosp.remat import _by_id, joint_of
-    from autosp.remat.apply import apply_plan
-    (profiles, local1, singles), (profile2, (least, seconds, tiling), priced2, (saved, recomputed, offloaded), tiles,
-                                  sig2) = _both(
-        lambda: probe_short(tracer, l1, l2, device), lambda: probe_long(tracer, l2, device, offload, host_memory), parallel)
+    from autosp.remat import joint_of
+    (profiles, local1, singles), (profile2, (least, seconds, tiling), priced2, decisions, tiles, sig2, priced1) = _both(
+        lambda: probe_short(tracer, l1, l2, device),
+        lambda: probe_long(tracer, l1, l2, device, offload, host_memory, fit), parallel)
     profiles[("sp", l2)] = profile2
-    joint1 = joint_of(tile(local1, _by_id(tiles, find_chains(local1))) if tiles else local1)[1]
+    replayed, joint1 = _replay(local1, decisions, tiles, device)
     check_affine(signature(joint1.graph), l1, sig2, l2)
     check_affine(*singles)
-    priced1 = _priced(apply_plan(joint1, saved, recomputed, offloaded), device)
-    return Probe(profiles, least, {l1: priced1, l2: priced2}, (saved, recomputed, offloaded), seconds, tiling)
+    del joint_of
+    return Probe(profiles, least, {l1: priced1 or replayed, l2: priced2}, decisions, seconds, tiling)
 
 
 def _both(first, second, parallel: bool = True):
@@ -505,7 +549,16 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
         kept = tracer.compute_bytes if sharded else 0
         l1 = max(32 * step, _rounded(_guess(spec.config, avail - st.grads - kept, torch_dtype, sp, batch), step))
         l2 = 4 * l1
-        q = probe(tracer, l1, l2, device, offload, parallel, host_rank)
+
+        def plan_length(priced) -> int:
+            """The longest length a plan priced at l1 and l2 fits: the device's bytes, and the host's."""
+            (va, _, ha), (vb, _, hb) = priced[l1], priced[l2]
+            length = Affine.fit(l1, va + tokens(l1), l2, vb + tokens(l2)).longest(avail, step)
+            if host_rank is not None and hb > ha:       # the offloaded bytes grow too: the host caps the length
+                length = min(length, _line(ha, l1, hb, l2).longest(host_rank, step))
+            return length
+
+        q = probe(tracer, l1, l2, device, offload, parallel, host_rank, plan_length)
 
         rows, models = [], {}
         for key, name in (("nosp", "no SP"), ("sp", f"SP={sp}, no remat")):
@@ -524,9 +577,7 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
         floor_len = rows[1].length
         (va, ca, ha), (vb, cb, hb) = q.plan[l1], q.plan[l2]
         aff = Affine.fit(l1, va + tokens(l1), l2, vb + tokens(l2))
-        length = aff.longest(avail, step)
-        if host_rank is not None and hb > ha:            # the offloaded bytes grow too: the host caps the length
-            length = min(length, _line(ha, l1, hb, l2).longest(host_rank, step))
+        length = plan_length(q.plan)
         name = f"SP={sp}, ILP plan (save/recompute{'/offload' if offload else ''})"
         if length <= floor_len:
             rows.append(Row(name, floor_len, rows[1].peak, rows[1].comm, "no plan found fits a longer length than "
