@@ -430,13 +430,16 @@ def test_plan_offloads_within_each_ranks_share_of_the_node_host_memory(model):
     import re
     from autosp.run.plan import plan_lengths
     text = plan_lengths(model, sp=2, memory="24MiB", dtype="float32", device="cuda", offload=True, parallel=False,
-                        host_memory="2MiB")
+                        host_memory="64MiB")
     line = next(x for x in text.splitlines() if x.startswith("host memory per node"))
-    assert "2.00 MiB (--host-memory), 1.00 MiB per rank at 2 per node (the ILP plan's host capacity)" in line, line
+    assert "64.00 MiB (--host-memory), 32.00 MiB per rank at 2 per node (the ILP plan's host capacity)" in line, line
     got = re.search(r"planned on the host: ([0-9.]+) (KiB|MiB) per rank", line)
-    assert got and float(got.group(1)) * {"KiB": 2**10, "MiB": 2**20}[got.group(2)] <= 2**20, line
+    assert got and 0 < float(got.group(1)) * {"KiB": 2**10, "MiB": 2**20}[got.group(2)] <= 32 * 2**20, line
     assert "the transfers to host and back take" in line and "ms per step" in line, line
     assert "SP=2, ILP plan (save/recompute/offload)" in text
+    # offloading lengthens the row: the plan without it is one of those the search weighs
+    without = plan_lengths(model, sp=2, memory="24MiB", dtype="float32", device="cuda", parallel=False)
+    assert _rows(text)["SP=2, ILP plan (save/recompute/offload)"] > _rows(without)["SP=2, ILP plan (save/recompute)"]
 
 
 def test_plan_without_sharding_says_when_the_model_state_alone_does_not_fit(capsys):
