@@ -77,10 +77,9 @@ def _by_id(tiles: dict, chains) -> dict[str, int]:
 
 def _planned(local, memory_budget, dev, *, host_memory=None, refine: bool = True, tiles=None):
     """(Plan, Program, Joint, StepBoundary, tiling) of the step under the budget: untiled first, then
-    the tilings of tiling_levels (passes/tile.py) until a plan fits (`tiles`: that tiling alone, a
-    dict Chain.id -> k). A budget given as a fraction is of the untiled step's no-remat peak."""
-    from dataclasses import replace
-
+    the tilings of tiling_levels (passes/tile.py) until a plan fits (`tiles`: that tiling alone, by
+    chain name). "least": the lower of the untiled step's and the most tiled one's least peaks; a
+    budget none reaches is refused with that least. A fraction is of the untiled no-remat peak."""
     from autosp.passes.tile import find_chains, tile
     offload = dev.host_bw is not None
     chains = find_chains(local)
@@ -91,37 +90,52 @@ def _planned(local, memory_budget, dev, *, host_memory=None, refine: bool = True
     else:
         levels = tiling_levels(chains)
     kind, amount = parse_budget(memory_budget) if memory_budget is not None else (None, None)
-    if kind == "least":
-        levels = levels[-1:]                     # the most tiles: the least peak
+    by_id = {c.id: c for c in chains}
+
+    def at(ks, budget, search=True):
+        boundary, joint = joint_of(tile(local, ks, chains) if ks else local)
+        plan, program = make_plan(joint, budget, dev, offload=offload, host_memory=host_memory, refine=refine,
+                                  search=search)
+        return _with_tiling(plan, ks, by_id), program, joint, boundary, ks
+
+    if kind == "least":                          # the most tiles usually, but not where tiling costs more
+        ends = [levels[0]] if levels[0] == levels[-1] else [levels[0], levels[-1]]
+        return min((at(ks, memory_budget) for ks in ends), key=lambda r: r[0].peak_bytes)
     budget = memory_budget
     if kind == "fraction" and len(levels) > 1:
-        boundary, joint = joint_of(local)
-        whole = make_plan(joint, None, dev, offload=offload, host_memory=host_memory)[0]
+        whole = make_plan(joint_of(local)[1], None, dev, offload=offload, host_memory=host_memory)[0]
         budget = int(amount * whole.no_remat_peak_bytes)
-    by_id = {c.id: c for c in chains}
-    for n, ks in enumerate(levels):
-        graph = tile(local, ks, chains) if ks else local
-        boundary, joint = joint_of(graph)
-        last = n == len(levels) - 1
+    for ks in levels[:-1]:                       # the budget's solves alone: the first tiling that fits
         try:
-            plan, program = make_plan(joint, budget, dev, offload=offload, host_memory=host_memory, refine=refine,
-                                      search=last)
-        except BudgetError as exc:
-            if not last:
-                continue
-            if ks:
-                what = ", ".join(f"{by_id[i].name} in {k} tiles" for i, k in ks.items())
-                raise BudgetError(f"{exc} (Tiled along the sequence as far as autosp goes: {what}.)",
-                                  least_peak_bytes=exc.least_peak_bytes) from None
+            return at(ks, budget, search=False)
+        except BudgetError:
+            continue
+    try:
+        return at(levels[-1], budget)
+    except BudgetError as exc:
+        if not levels[-1]:
             raise
-        if ks:
-            from autosp.passes.tile import tile_sizes
-            tiling = tuple((by_id[i].name, k, by_id[i].wide_bytes,
-                            by_id[i].wide_bytes * max(tile_sizes(by_id[i].length, k)) // by_id[i].length)
-                           for i, k in ks.items())
-            plan = replace(plan, tiling=tiling)
-        return plan, program, joint, boundary, ks
-    raise AssertionError("unreachable")
+        refused = exc
+    try:                                         # the untiled step's least may be the lower one
+        return at(levels[0], budget)
+    except BudgetError as exc:
+        least = min(refused.least_peak_bytes, exc.least_peak_bytes)
+        what = ", ".join(f"{by_id[i].name} in {k} tiles" for i, k in levels[-1].items())
+        first = refused if refused.least_peak_bytes <= exc.least_peak_bytes else exc
+        raise BudgetError(f"{first} (Tiled along the sequence as far as autosp goes, {what}, and untiled.)",
+                          least_peak_bytes=least) from None
+
+
+def _with_tiling(plan, ks: dict, by_id: dict):
+    """The plan with Plan.tiling filled in: (chain, tiles, widest value whole, per tile)."""
+    from dataclasses import replace
+
+    from autosp.passes.tile import tile_sizes
+    if not ks:
+        return plan
+    return replace(plan, tiling=tuple((by_id[i].name, k, by_id[i].wide_bytes,
+                                       by_id[i].wide_bytes * max(tile_sizes(by_id[i].length, k)) // by_id[i].length)
+                                      for i, k in ks.items()))
 
 
 def plan_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=None, host_memory=None,

@@ -194,6 +194,13 @@ def probe_short(tracer, l1: int, l2: int, device: str):
     profiles = {("nosp", l1): _no_remat(p.single, device), ("sp", l1): _no_remat(p.local, device),
                 ("nosp", l2): _no_remat(single2, device)}
     singles = (signature(joint_of(p.single)[1].graph), l1, signature(joint_of(single2)[1].graph), l2)
+    # the tiling the least-peak search takes at l2 (the deepest: passes/tile.py's chains scale alike with
+    # the length), differentiated here while the other process searches: the replay finds it cached
+    from autosp.passes.tile import find_chains, tile
+    from autosp.remat import tiling_levels
+    deepest = tiling_levels(find_chains(p.local))[-1]
+    if deepest:
+        joint_of(tile(p.local, deepest))
     return profiles, p.local, singles
 
 
@@ -209,9 +216,16 @@ def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory
     p = tracer.trace(l2, single=False)
     profile = _no_remat(p.local, device)
 
+    # at the long probe every chain in as many tiles as lower its peak (tiling_levels' deepest)
+    from autosp.passes.tile import find_chains
+    from autosp.remat import tiling_levels
+    chains = find_chains(p.local)
+    deepest = tiling_levels(chains)[-1]
+    deep = {c.name: deepest[c.id] for c in chains if c.id in deepest} or None
+
     def least(cap):
         plan, program, joint, _ = plan_step(p.local, "least", device=device, offload=offload, refine=False,
-                                            host_memory=cap)
+                                            host_memory=cap, tiles=deep)
         decisions = (program.saved, _recomputed(joint, program), program.offloaded)
         tiles = {name: k for name, k, _, _ in plan.tiling}
         return ((plan.peak_bytes, plan.offload_seconds, plan.tiling), _priced(program, device), decisions, tiles,
@@ -445,29 +459,44 @@ class ModelState:
     """The model state one rank holds through the step (bytes), and how it is laid out."""
     params: int                     # replicated: the parameters in the compute dtype; sharded: the fp32 master shard
     grads: int                      # the parameters' gradients (or gradient shard): in the step's peak
-    moments: int                    # the optimizer's
+    moments: int                    # the optimizer's (0 with --optimizer-offload: on host)
     ranks: int                      # the ranks it is sharded over (1: replicated)
+    host: int = 0                   # --optimizer-offload: fp32 master, gradient and moments on host
 
     @property
     def total(self) -> int:
         return self.params + self.grads + self.moments
 
 
-def model_state(tracer, optimizer: str) -> ModelState:
+def model_state(tracer, optimizer: str, offload: bool = False) -> ModelState:
     """Replicated: parameters and gradients in the compute dtype and fp32 moments on every rank. Sharded
     (FSDP2 mixed precision, autosp.shard_params): every rank keeps 1/N of the fp32 master parameters,
     of their fp32 gradients (what reduce_scatter_param returns) and of the fp32 moments; the compute copy
-    is gathered by the step (in its peak)."""
-    moments = _MOMENTS[optimizer] * (tracer.param_bytes if tracer.sharded else 4 * tracer.n_params)
+    is gathered by the step (in its peak). `offload` (ZeRO-Offload, autosp train --optimizer-offload):
+    the moments, an fp32 master copy and an fp32 gradient copy of the rank's part live on host instead;
+    the device keeps the parameters and, through the step, their gradients."""
+    fp32 = tracer.param_bytes if tracer.sharded else 4 * tracer.n_params     # this rank's part, in fp32
+    moments = _MOMENTS[optimizer] * fp32
+    if offload:
+        return ModelState(tracer.param_bytes, tracer.param_bytes, 0, tracer.ranks, 2 * fp32 + moments)
     return ModelState(tracer.param_bytes, tracer.param_bytes, moments, tracer.ranks)
 
 
 def _state_line(st: ModelState, tracer, optimizer: str, dtype: str, dp: int, sp: int) -> str:
-    opt = f"{optimizer} {_MOMENTS[optimizer]} fp32 moments {fmt(st.moments)}" if st.moments else f"{optimizer} no state"
+    line = _device_state_line(st, tracer, optimizer, dtype, dp, sp)
+    if st.host:
+        line += (f"; --optimizer-offload: the fp32 master copy, an fp32 gradient copy and {optimizer}'s "
+                 f"{_MOMENTS[optimizer]} moments in host memory, {fmt(st.host)} per rank")
+    return line
+
+
+def _device_state_line(st: ModelState, tracer, optimizer: str, dtype: str, dp: int, sp: int) -> str:
+    opt = (f"{optimizer} {_MOMENTS[optimizer]} fp32 moments {fmt(st.moments)}" if st.moments else
+           f"{optimizer} state on host" if st.host else f"{optimizer} no state")
     if st.ranks == 1:
         return (f"model state per rank (replicated over sp and dp): parameters {fmt(st.params)}, gradients "
                 f"{fmt(st.grads)} (counted in the step's peak), {opt} = {fmt(st.total)}")
-    per = "4 master + 4 gradient" + (f" + {4 * _MOMENTS[optimizer]} moments" if _MOMENTS[optimizer] else "")
+    per = "4 master + 4 gradient" + (f" + {4 * _MOMENTS[optimizer]} moments" if st.moments else "")
     copy = getattr(torch, dtype).itemsize
     mixed = ", mixed precision" if copy < 4 else ""
     return (f"model state per rank (sharded over {st.ranks} ranks, dp {dp} x sp {sp}: Shard(0) as FSDP2 lays it out"
@@ -478,17 +507,21 @@ def _state_line(st: ModelState, tracer, optimizer: str, dtype: str, dp: int, sp:
 
 
 def _host_line(host: int, given: bool, world: int, offload: bool, offloaded: int | None,
-               seconds: float | None = None) -> str:
+               seconds: float | None = None, state: int = 0) -> str:
     """What the plan puts in host memory, per rank and per node, and its transfers' time per step."""
     per_node = min(world, _RANKS_PER_NODE)
-    share = (f", {fmt(host // per_node)} per rank at {per_node} per node (the ILP plan's host capacity)"
-             if offload else "")
+    parts = [f"{fmt(host // per_node)} per rank at {per_node} per node"] if offload or state else []
+    if state:
+        parts.append(f"{fmt(state)} of it the optimizer's (--optimizer-offload)"
+                     + (", the rest the ILP plan's host capacity" if offload else ""))
+    elif offload:
+        parts[0] += " (the ILP plan's host capacity)"
     head = (f"host memory per node: {fmt(host)} ({'--host-memory' if given else 'assumed; pass --host-memory'})"
-            f"{share}, counted apart from the device memory; planned on the host: ")
+            + "".join(", " + p for p in parts) + ", counted apart from the device memory; planned on the host: ")
     if not offloaded:
         why = ("--offload lets the ILP plan move activations there" if not offload else
                "no ILP plan was made" if offloaded is None else "the ILP plan offloads nothing at its length")
-        return head + f"nothing (the model state and the step stay on the device; {why})"
+        return head + f"no activations (the step stays on the device; {why})"
     need = offloaded * per_node
     return (head + f"{fmt(offloaded)} per rank of activations offloaded by the ILP plan, {fmt(need)} per node at "
             f"{per_node} ranks per node (assumed: min(ranks, {_RANKS_PER_NODE}))"
@@ -500,7 +533,8 @@ def _host_line(host: int, given: bool, world: int, offload: bool, offloaded: int
 
 def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = "bfloat16", optimizer: str = "adamw",
                  batch: int = 1, device: str = "cuda", offload: bool = False, granularity: int | None = None,
-                 parallel: bool = True, shard_params: bool = True, host_memory: str | None = None) -> str:
+                 parallel: bool = True, shard_params: bool = True, host_memory: str | None = None,
+                 optimizer_offload: bool = False) -> str:
     """The report of `autosp plan` (see the module docstring). `parallel`: probe the two lengths in two
     processes (a fork; pass False in a process whose threads make forking unsafe). `shard_params`: the
     model state sharded over every rank (when there is more than one), else replicated."""
@@ -517,15 +551,16 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
     torch_dtype = getattr(torch, dtype)
     world = sp * dp
     sharded = shard_params and world > 1
-    host_rank = host // min(world, _RANKS_PER_NODE) if offload else None     # each rank's share of its node
+    share = host // min(world, _RANKS_PER_NODE)                    # each rank's share of its node
     with fake_world(world):
         tracer = Tracer(spec, planning_mesh(sp, dp), torch_dtype, batch, sp, shard_params=sharded)
         n = tracer.n_params
-        st = model_state(tracer, optimizer)
+        st = model_state(tracer, optimizer, optimizer_offload)
+        host_rank = max(0, share - st.host) if offload else None          # what the activations may take
         out = [f"autosp plan: {describe(spec)}\n  {n / 1e9:.3f}B parameters in {dtype}; mesh dp {dp} x sp {sp}; "
                f"{fmt(mem)} per rank; cost model {device}; {batch} sequence(s) per dp rank",
                _state_line(st, tracer, optimizer, dtype, dp, sp)]
-        host_line = _host_line(host, host_memory is not None, world, offload, None)
+        host_line = _host_line(host, host_memory is not None, world, offload, None, state=st.host)
         if st.total >= mem:
             if sharded:
                 fix = "more ranks to shard it over (--dp)"
@@ -536,7 +571,14 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
                 fix = "more ranks (--sp, --dp), over which the model state is sharded"
             out.append(f"-> the model state alone needs {fmt(st.total)}, {fmt(st.total - mem)} more than the "
                        f"{fmt(mem)} per rank: no sequence length fits in any configuration. Fix: {fix}, more memory "
-                       "per rank" + (", --optimizer sgd" if optimizer != "sgd" else "") + ", or a smaller model.")
+                       "per rank" + (", --optimizer-offload" if not optimizer_offload else "")
+                       + (", --optimizer sgd" if optimizer != "sgd" else "") + ", or a smaller model.")
+            out.append(host_line)
+            return "\n".join(out)
+        if st.host > share:
+            out.append(f"-> with --optimizer-offload the model state needs {fmt(st.host)} of host memory per rank, "
+                       f"more than this rank's share of the node, {fmt(share)}. Fix: --host-memory with the node's "
+                       "size, more ranks, or leave --optimizer-offload out.")
             out.append(host_line)
             return "\n".join(out)
         fixed = st.params + st.moments                     # live across the step; the step's peak adds the rest
@@ -591,7 +633,7 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
                             + (f"; it tiles {', '.join(_tiled_names(q.tiling))}" if q.tiling else "")
                             + (f"; it offloads {fmt(host_bytes)} to host memory per rank" if host_bytes else "")))
             host_line = _host_line(host, host_memory is not None, world, offload, host_bytes,
-                                   q.offload_seconds * host_bytes / hb if hb else None)
+                                   q.offload_seconds * host_bytes / hb if hb else None, st.host)
     # replicated: the gradients are all-reduced after the step, by ring; sharded: reduce-scattered in it
     dp_comm = 0 if sharded else ring_allreduce_bytes(st.grads, dp)
     sp_grad = 0 if sharded else ring_allreduce_bytes(st.grads, sp)
