@@ -261,7 +261,8 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, ho
         return prog, simulate_step(prog, device.name).peak
 
     if kind == "least":
-        least = _least(problem, needs, classes, simulated, no_remat, full_x, full)
+        # refine False asks for a peak (the planning command's length search): a coarser bisection
+        least = _least(problem, needs, classes, simulated, no_remat, full_x, full, tol=0.005 if refine else 0.01)
         if refine:
             least = _cheapest_at(problem, needs, classes, simulated, least)
         x, prog, peak = least

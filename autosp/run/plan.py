@@ -187,12 +187,13 @@ class Probe:
 
 
 def probe_short(tracer, l1: int, l2: int, device: str):
-    """The no-remat programs at l1 (no SP and SP) and the no-SP one at l2; and the SP step at l1, on
-    which the plan found at l2 is replayed."""
+    """The no-remat programs (no SP and SP) at l1 and l2; and the SP step at l1, on which the plan found
+    at l2 is replayed."""
     from autosp.remat import joint_of
-    p, single2 = tracer.trace(l1), tracer.single(l2)
+    p, p2 = tracer.trace(l1), tracer.trace(l2)
+    single2 = p2.single
     profiles = {("nosp", l1): _no_remat(p.single, device), ("sp", l1): _no_remat(p.local, device),
-                ("nosp", l2): _no_remat(single2, device)}
+                ("nosp", l2): _no_remat(single2, device), ("sp", l2): _no_remat(p2.local, device)}
     singles = (signature(joint_of(p.single)[1].graph), l1, signature(joint_of(single2)[1].graph), l2)
     # the tiling the least-peak search takes at l2 (the deepest: passes/tile.py's chains scale alike with
     # the length), differentiated here while the other process searches: the replay finds it cached
@@ -206,7 +207,7 @@ def probe_short(tracer, l1: int, l2: int, device: str):
 
 def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory: int | None = None,
                fit=None):
-    """The SP no-remat program at l2, and the plan with the least peak found there (its tiling of the
+    """The plan with the least peak found at l2 (its tiling of the
     position-wise chains included): its price and its decisions (saved, recomputed, offloaded), to be
     replayed at l1. With offload under a host capacity the least-peak plan would fill the host at l2
     and leave no room for longer lengths: here the step at l1 is traced too, each plan is priced at
@@ -214,7 +215,7 @@ def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory
     (`fit(priced) -> length`), for a few rounds; the longest wins."""
     from autosp.remat import _recomputed, plan_step
     p = tracer.trace(l2, single=False)
-    profile = _no_remat(p.local, device)
+    profile = None                      # the no-remat programs are the other process's (probe_short)
 
     # at the long probe every chain in as many tiles as lower its peak (tiling_levels' deepest)
     from autosp.passes.tile import find_chains
@@ -317,7 +318,7 @@ def probe(tracer, l1: int, l2: int, device: str, offload: bool, parallel: bool =
     (profiles, local1, singles), (profile2, (least, seconds, tiling), priced2, decisions, tiles, sig2, priced1) = _both(
         lambda: probe_short(tracer, l1, l2, device),
         lambda: probe_long(tracer, l1, l2, device, offload, host_memory, fit), parallel)
-    profiles[("sp", l2)] = profile2
+    del profile2
     replayed, joint1 = _replay(local1, decisions, tiles, device)
     check_affine(signature(joint1.graph), l1, sig2, l2)
     check_affine(*singles)
