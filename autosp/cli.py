@@ -137,6 +137,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-shard-params", dest="shard_params", action="store_false",
                    help="count the model state replicated on every rank (default: sharded over the dp x sp ranks "
                         "as autosp.shard_params / FSDP2 lay it out, fp32 master, gradients and moments)")
+    p.add_argument("--no-tile", dest="tile", action="store_false", help="plan without tiling the MLPs and the "
+                   "loss head along the sequence (faster to plan, shorter answers at long context)")
     p.add_argument("--optimizer-offload", action="store_true", help="count the model state as autosp train "
                    "--optimizer-offload keeps it: fp32 master copy, gradient copy and moments in host memory")
     p.add_argument("--host-memory", default=None, help="host memory per node, counted apart from the device, "
@@ -260,7 +262,7 @@ def _plan(a) -> int:
     print(plan_lengths(a.model, sp=a.sp, dp=a.dp, memory=a.memory, dtype=_DTYPES[a.dtype], optimizer=a.optimizer,
                        batch=a.batch, device=a.device, offload=a.offload, granularity=a.granularity,
                        shard_params=a.shard_params, host_memory=a.host_memory,
-                       optimizer_offload=a.optimizer_offload), flush=True)
+                       optimizer_offload=a.optimizer_offload, tile=a.tile), flush=True)
     return 0
 
 

@@ -186,43 +186,63 @@ class Probe:
     tiling: tuple = ()      # that plan's tiled chains (Plan.tiling, at l2)
 
 
-def probe_short(tracer, l1: int, l2: int, device: str):
-    """The no-remat programs (no SP and SP) at l1 and l2; and the SP step at l1, on which the plan found
-    at l2 is replayed."""
+def _no_sp_at(tracer, length: int, device: str, claim) -> tuple | None:
+    """(no-remat profile, signature) of the no-SP program at `length`, if `claim()` gives this process
+    the job (the two probe processes take it from each other: whichever is free first)."""
+    if not claim():
+        return None
     from autosp.remat import joint_of
-    p, p2 = tracer.trace(l1), tracer.trace(l2)
-    single2 = p2.single
-    profiles = {("nosp", l1): _no_remat(p.single, device), ("sp", l1): _no_remat(p.local, device),
-                ("nosp", l2): _no_remat(single2, device), ("sp", l2): _no_remat(p2.local, device)}
-    singles = (signature(joint_of(p.single)[1].graph), l1, signature(joint_of(single2)[1].graph), l2)
+    single = tracer.single(length)
+    return _no_remat(single, device), signature(joint_of(single)[1].graph)
+
+
+def _claimer(path: str):
+    """claim() -> True for the first process that asks (an exclusive create of `path`), False after."""
+    import os
+
+    def claim() -> bool:
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False
+    return claim
+
+
+def probe_short(tracer, l1: int, l2: int, device: str, tiled: bool = True, claim=None):
+    """The no-remat programs (no SP and SP) at l1, and the SP step at l1, on which the plan found at l2 is
+    replayed."""
+    from autosp.remat import joint_of
+    p = tracer.trace(l1)
+    profiles = {("nosp", l1): _no_remat(p.single, device), ("sp", l1): _no_remat(p.local, device)}
     # the tiling the least-peak search takes at l2 (the deepest: passes/tile.py's chains scale alike with
     # the length), differentiated here while the other process searches: the replay finds it cached
     from autosp.passes.tile import find_chains, tile
     from autosp.remat import tiling_levels
-    deepest = tiling_levels(find_chains(p.local))[-1]
+    deepest = tiling_levels(find_chains(p.local))[-1] if tiled else {}
     if deepest:
         joint_of(tile(p.local, deepest))
-    return profiles, p.local, singles
+    return profiles, p.local, signature(joint_of(p.single)[1].graph), _no_sp_at(tracer, l2, device, claim)
 
 
 def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory: int | None = None,
-               fit=None):
-    """The plan with the least peak found at l2 (its tiling of the
-    position-wise chains included): its price and its decisions (saved, recomputed, offloaded), to be
+               fit=None, tiled: bool = True, claim=None):
+    """The no-remat programs (no SP and SP) at l2, and the plan with the least peak found there (its
+    tiling of the position-wise chains included): its price and its decisions (saved, recomputed, offloaded), to be
     replayed at l1. With offload under a host capacity the least-peak plan would fill the host at l2
     and leave no room for longer lengths: here the step at l1 is traced too, each plan is priced at
     both lengths, and the host capacity it plans under at l2 is scaled by l2 / the length it reaches
     (`fit(priced) -> length`), for a few rounds; the longest wins."""
     from autosp.remat import _recomputed, plan_step
     p = tracer.trace(l2, single=False)
-    profile = None                      # the no-remat programs are the other process's (probe_short)
+    profile = {("sp", l2): _no_remat(p.local, device)}
 
     # at the long probe every chain in as many tiles as lower its peak (tiling_levels' deepest)
     from autosp.passes.tile import find_chains
     from autosp.remat import tiling_levels
     chains = find_chains(p.local)
-    deepest = tiling_levels(chains)[-1]
-    deep = {c.name: deepest[c.id] for c in chains if c.id in deepest} or None
+    deepest = tiling_levels(chains)[-1] if tiled else {}
+    deep = {c.name: deepest[c.id] for c in chains if c.id in deepest}
 
     def least(cap):
         plan, program, joint, _ = plan_step(p.local, "least", device=device, offload=offload, refine=False,
@@ -233,7 +253,8 @@ def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory
                 signature(joint.graph))
 
     if not (offload and host_memory and fit):
-        return (profile, *least(host_memory), None)
+        out = least(host_memory)
+        return (profile, _no_sp_at(tracer, l2, device, claim), *out, None)
     local1 = tracer.trace(l1, single=False).local
     tried = []
 
@@ -261,7 +282,7 @@ def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory
             break
         target = nxt
     _, out, priced1 = max(tried, key=lambda t: t[0])
-    return (profile, *out, priced1)
+    return (profile, _no_sp_at(tracer, l2, device, claim), *out, priced1)
 
 
 def _replay(local1, decisions, tiles, device):
@@ -310,18 +331,29 @@ def check_affine(a: list, l1: int, b: list, l2: int) -> None:
 
 
 def probe(tracer, l1: int, l2: int, device: str, offload: bool, parallel: bool = True,
-          host_memory: int | None = None, fit=None) -> Probe:
+          host_memory: int | None = None, fit=None, tiled: bool = True) -> Probe:
     """Both probe lengths: the short one here, the long one (with the least-peak search, the slowest
     part) in a forked process; the plan found at l2 is then replayed on the step at l1, so a fixed
     program is priced at both lengths (its bytes are affine in the length)."""
     from autosp.remat import joint_of
-    (profiles, local1, singles), (profile2, (least, seconds, tiling), priced2, decisions, tiles, sig2, priced1) = _both(
-        lambda: probe_short(tracer, l1, l2, device),
-        lambda: probe_long(tracer, l1, l2, device, offload, host_memory, fit), parallel)
-    del profile2
+    import os
+    import tempfile
+    token = os.path.join(tempfile.mkdtemp(prefix="autosp-plan-"), "no-sp")
+    claim = _claimer(token)
+    try:
+        (profiles, local1, single1, mine), (profile2, theirs, (least, seconds, tiling), priced2, decisions, tiles, sig2,
+                                            priced1) = _both(
+            lambda: probe_short(tracer, l1, l2, device, tiled, claim),
+            lambda: probe_long(tracer, l1, l2, device, offload, host_memory, fit, tiled, claim), parallel)
+    finally:
+        if os.path.exists(token):
+            os.remove(token)
+        os.rmdir(os.path.dirname(token))
+    profiles.update(profile2)
+    profiles[("nosp", l2)], single2 = mine or theirs
     replayed, joint1 = _replay(local1, decisions, tiles, device)
     check_affine(signature(joint1.graph), l1, sig2, l2)
-    check_affine(*singles)
+    check_affine(single1, l1, single2, l2)
     del joint_of
     return Probe(profiles, least, {l1: priced1 or replayed, l2: priced2}, decisions, seconds, tiling)
 
@@ -535,7 +567,7 @@ def _host_line(host: int, given: bool, world: int, offload: bool, offloaded: int
 def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = "bfloat16", optimizer: str = "adamw",
                  batch: int = 1, device: str = "cuda", offload: bool = False, granularity: int | None = None,
                  parallel: bool = True, shard_params: bool = True, host_memory: str | None = None,
-                 optimizer_offload: bool = False) -> str:
+                 optimizer_offload: bool = False, tile: bool = True) -> str:
     """The report of `autosp plan` (see the module docstring). `parallel`: probe the two lengths in two
     processes (a fork; pass False in a process whose threads make forking unsafe). `shard_params`: the
     model state sharded over every rank (when there is more than one), else replicated."""
@@ -601,7 +633,7 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
                 length = min(length, _line(ha, l1, hb, l2).longest(host_rank, step))
             return length
 
-        q = probe(tracer, l1, l2, device, offload, parallel, host_rank, plan_length)
+        q = probe(tracer, l1, l2, device, offload, parallel, host_rank, plan_length, tile)
 
         rows, models = [], {}
         for key, name in (("nosp", "no SP"), ("sp", f"SP={sp}, no remat")):
