@@ -18,7 +18,7 @@ import math
 
 import torch.nn.functional as F
 
-from bench.sp_vs_ulysses import IGNORE, ulysses_copy
+from bench.sp_vs_ulysses import IGNORE, reduce_over_sp, ulysses_copy
 
 # ArcticTraining's loss slice: about 1 GiB of fp32 logits per tile, on 80 GiB GPUs
 SLICE_PER_MEMORY = 1 / 80
@@ -66,7 +66,6 @@ def alst_step(model, local_batch, group, slice_bytes: float):
     """One fwd+bwd of ALST: the decoder on this rank's tokens, then lm head + CE in tiles
     (TiledFusedLogitsLoss), local summed loss / global token count, grads summed over sp by hand
     (as `ulysses_step`). Returns the global loss. The caller frees the previous step's grads."""
-    import torch.distributed as dist
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
     ids_loc, pos_loc, lab_loc, n_tok = local_batch
     hidden = model.model(input_ids=ids_loc, position_ids=pos_loc, use_cache=False).last_hidden_state
@@ -82,12 +81,7 @@ def alst_step(model, local_batch, group, slice_bytes: float):
 
     loss = TiledFusedLogitsLoss.apply(tile_loss, model, hidden, lab_loc, None, k, [model.lm_head.weight], "sum")
     loss.backward()
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
-    total = loss.detach().clone()
-    dist.all_reduce(total, group=group)
-    return total
+    return reduce_over_sp(model, loss, group)
 
 
 def check_alst(alst, group, s: int, slice_bytes: float, fn, params, vocab: int) -> tuple[dict, dict]:

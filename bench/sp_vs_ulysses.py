@@ -103,13 +103,19 @@ def ulysses_step(model, local_batch, group):
     over sp by hand. Returns the global loss. The caller frees the previous step's grads first
     (`model.zero_grad(set_to_none=True)`), outside any measured window: freed inside it, they
     would lower this side's peak against a side that has nothing to free."""
-    import torch.distributed as dist
     import torch.nn.functional as F
     ids_loc, pos_loc, lab_loc, n_tok = local_batch
     logits = model(input_ids=ids_loc, position_ids=pos_loc).logits
     loss = F.cross_entropy(logits.float().flatten(0, 1), lab_loc.flatten(),
                            ignore_index=IGNORE, reduction="sum") / n_tok
     loss.backward()
+    return reduce_over_sp(model, loss, group)
+
+
+def reduce_over_sp(model, loss, group):
+    """After a rank's backward: its parameter gradients and loss summed over the sp group (each rank's
+    loss is its share of the global mean, so the sums are the global gradients and loss)."""
+    import torch.distributed as dist
     for p in model.parameters():
         if p.grad is not None:
             dist.all_reduce(p.grad, group=group)

@@ -294,6 +294,17 @@ def _replay(local1, decisions, tiles, device):
     return _priced(apply_plan(joint1, *decisions), device), joint1
 
 
+def _held_back(aff, length, step, avail, host_bytes, host_rank, ha, hb, l1, l2) -> str:
+    """What stops the ILP row's length: the device (the plan's peak at the next length), or the host."""
+    nxt = length + step
+    over = aff.peak(nxt) - avail
+    if host_rank is not None and hb > ha and _line(ha, l1, hb, l2).peak(nxt) > host_rank:
+        return (f"held back by the host: at {nxt:,} its offloaded values would take "
+                f"{fmt(_line(ha, l1, hb, l2).peak(nxt))}, more than the rank's {fmt(host_rank)}")
+    return (f"held back by the device: at {nxt:,} the plan's peak would be {fmt(over)} over"
+            + (f" (its host share holds {fmt(host_bytes)} of {fmt(host_rank)})" if host_rank else ""))
+
+
 def _tiled_names(tiling) -> list[str]:
     """'loss in 64 tiles', 'mlp.0-31 in 4 tiles': Plan.tiling grouped by chain family and tiles."""
     groups: dict[tuple[str, int], list[str]] = {}
@@ -664,7 +675,8 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
                             f"the plan with the least peak found at {l2:,} ({fmt(q.least)}), replayed at {l1:,}, "
                             f"fits up to {length:,}"
                             + (f"; it tiles {', '.join(_tiled_names(q.tiling))}" if q.tiling else "")
-                            + (f"; it offloads {fmt(host_bytes)} to host memory per rank" if host_bytes else "")))
+                            + (f"; it offloads {fmt(host_bytes)} to host memory per rank" if host_bytes else "")
+                            + "; " + _held_back(aff, length, step, avail, host_bytes, host_rank, ha, hb, l1, l2)))
             host_line = _host_line(host, host_memory is not None, world, offload, host_bytes,
                                    q.offload_seconds * host_bytes / hb if hb else None, st.host)
     # replicated: the gradients are all-reduced after the step, by ring; sharded: reduce-scattered in it
