@@ -345,8 +345,8 @@ def probe(tracer, l1: int, l2: int, device: str, offload: bool, parallel: bool =
           host_memory: int | None = None, fit=None, tiled: bool = True) -> Probe:
     """Both probe lengths: the short one here, the long one (with the least-peak search, the slowest
     part) in a forked process; the plan found at l2 is then replayed on the step at l1, so a fixed
-    program is priced at both lengths (its bytes are affine in the length)."""
-    from autosp.remat import joint_of
+    program is priced at both lengths (its bytes are affine in the length). The no-SP program at l2
+    goes to whichever process is free first."""
     import os
     import tempfile
     token = os.path.join(tempfile.mkdtemp(prefix="autosp-plan-"), "no-sp")
@@ -365,7 +365,6 @@ def probe(tracer, l1: int, l2: int, device: str, offload: bool, parallel: bool =
     replayed, joint1 = _replay(local1, decisions, tiles, device)
     check_affine(signature(joint1.graph), l1, sig2, l2)
     check_affine(single1, l1, single2, l2)
-    del joint_of
     return Probe(profiles, least, {l1: priced1 or replayed, l2: priced2}, decisions, seconds, tiling)
 
 
