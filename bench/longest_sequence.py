@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -34,6 +33,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+from bench import command  # noqa: E402
 
 METHODS = ("ulysses", "ulysses+ckpt", "alst", "autosp")
 RTOL = 1e-5            # fp32 loss and grads against the single device, as the tests hold autosp
@@ -238,8 +239,7 @@ def main(argv=None):
         from bench.alst import SLICE_PER_MEMORY
         args.alst_loss_slice = args.memory * SLICE_PER_MEMORY
     from tests.dist import run_ranks
-    print("# " + " ".join([".venv/bin/python", "bench/longest_sequence.py"] + [shlex.quote(a) for a in
-                                                                                 (argv or sys.argv[1:])]))
+    print("# " + command(__file__, argv))
     print(f"# HF Llama layers={args.layers} hidden={args.hidden} heads={args.heads}/{args.kv_heads} "
           f"vocab={args.vocab}; SP={args.sp} gloo x 1 thread; {args.memory:g} MiB per rank; torch {torch.__version__}",
           flush=True)

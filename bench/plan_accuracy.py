@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+from bench import command  # noqa: E402
 
 
 def predict(model: str, sp: int, seqs, fit, budget: float, device: str = "cpu"):
@@ -81,8 +82,7 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=0.5, help="ILP budget as a fraction of the no-remat peak")
     args = ap.parse_args(argv)
     from tests.dist import run_ranks
-    print("# " + " ".join([".venv/bin/python", "bench/plan_accuracy.py"] + [shlex.quote(a) for a in
-                                                                             (argv or sys.argv[1:])]), flush=True)
+    print("# " + command(__file__, argv), flush=True)
     t0 = time.perf_counter()
     pred = predict(args.model, args.sp, args.seq, args.fit, args.budget)
     t1 = time.perf_counter()

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -34,6 +33,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+from bench import command  # noqa: E402
 
 AUTOSP_BUDGETS = (1.0, 0.8, 0.6, 0.5, 0.4)
 TORCH_BUDGETS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
@@ -225,7 +226,7 @@ def main(argv=None):
     ap.add_argument("--no-ds", dest="ds", action="store_false", help="skip the DeepSpeed checkpointing side")
     args = ap.parse_args(argv)
     from tests.dist import run_ranks
-    cmd = " ".join([".venv/bin/python", "bench/remat.py"] + [shlex.quote(a) for a in (argv or sys.argv[1:])])
+    cmd = command(__file__, argv)
     print(f"# {cmd}\n# HF Llama layers={args.layers} hidden={args.hidden} heads={args.heads}/{args.kv_heads} "
           f"vocab={args.vocab}; SP={args.sp} gloo x 1 thread; torch {torch.__version__}", flush=True)
     for seq in args.seq:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -22,6 +21,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+from bench import command  # noqa: E402
 
 
 def _job(rank, world, args):
@@ -115,7 +116,7 @@ def main(argv=None):
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args(argv)
     from tests.dist import run_ranks
-    cmd = " ".join([".venv/bin/python", "bench/sharded_params.py"] + [shlex.quote(a) for a in (argv or sys.argv[1:])])
+    cmd = command(__file__, argv)
     print(f"# {cmd}")
     print(f"# HF Llama: layers={args.layers} hidden={args.hidden} heads={args.heads} vocab={args.vocab}; seq={args.seq}; "
           f"SP={args.sp} gloo procs x 1 thread; AdamW; torch {torch.__version__}", flush=True)

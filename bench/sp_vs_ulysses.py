@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -25,6 +24,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+from bench import command  # noqa: E402
 
 ATTN_NAME = "ds_ulysses_sdpa"
 IGNORE = -100
@@ -222,7 +223,7 @@ def main(argv=None):
         args.intermediate = 2 * args.hidden
 
     from tests.dist import run_ranks
-    cmd = " ".join([".venv/bin/python", "bench/sp_vs_ulysses.py"] + [shlex.quote(a) for a in (argv or sys.argv[1:])])
+    cmd = command(__file__, argv)
     print(f"# {cmd}")
     print(f"# HF Llama: layers={args.layers} hidden={args.hidden} inter={args.intermediate} heads={args.heads} "
           f"kv_heads={args.kv_heads} vocab={args.vocab}; batch={args.batch} seq={args.seq}; SP={args.sp} "

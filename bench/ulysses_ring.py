@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -18,6 +17,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+from bench import command  # noqa: E402
 
 CONFIGS = (("U=4", 1), ("U=2 x R=2", 2), ("R=4", 4))
 
@@ -64,7 +65,7 @@ def main(argv=None):
     ap.add_argument("--timeout", type=float, default=3600)
     args = ap.parse_args(argv)
     from tests.dist import run_ranks
-    cmd = " ".join([".venv/bin/python", "bench/ulysses_ring.py"] + [shlex.quote(a) for a in (argv or sys.argv[1:])])
+    cmd = command(__file__, argv)
     print(f"# {cmd}")
     print(f"# HF Llama: layers={args.layers} hidden={args.hidden} heads={args.heads}/{args.heads // 2} "
           f"vocab={args.vocab}; seq={args.seq}; sp=4 gloo procs x 1 thread; torch {torch.__version__}", flush=True)

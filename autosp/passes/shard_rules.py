@@ -639,7 +639,7 @@ def no_rule(ctx: ShardCtx, e: Eqn) -> None:
                      "in_specs that leave its inputs replicated.")
 
 
-_POSITIONWISE_NAMES = {
+POSITIONWISE_NAMES = {
     "linear", "embedding", "view", "reshape", "_unsafe_view", "expand", "expand_as", "permute", "transpose", "t",
     "unsqueeze", "squeeze", "contiguous", "alias", "clone", "detach", "lift_fresh_copy", "to.dtype", "to.device",
     "to.dtype_layout", "to.other", "_to_copy.default", "type_as.default", "dropout", "native_dropout",
@@ -648,7 +648,7 @@ _POSITIONWISE_NAMES = {
     "rms_norm",
 }
 
-RULES: dict[str, Rule] = {name: positionwise for name in _POSITIONWISE_NAMES}
+RULES: dict[str, Rule] = {name: positionwise for name in POSITIONWISE_NAMES}
 RULES.update({
     "attention": attention_rule, "cross_entropy": loss_rule, "nll_loss": loss_rule,
     "slice": slice_rule, "narrow": slice_rule, "select": seq_dim_arg("dim"), "cat": cat_rule, "pad": pad_rule,

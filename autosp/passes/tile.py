@@ -29,18 +29,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autosp.ir.core import Eqn, Graph, Var
 from autosp.ir.ops import Tag, op_for
+from autosp.passes.shard_rules import POSITIONWISE_NAMES
 
 aten = torch.ops.aten
 
 WIDE = 1.5              # a value is wide when its bytes per token are this many times its chain input's
 
-# ops that act on each position alone when the sequence dim is not one they reduce or normalise
-_POINTWISE = {
-    "linear", "embedding", "view", "reshape", "_unsafe_view", "expand", "expand_as", "permute", "transpose", "t",
-    "unsqueeze", "squeeze", "contiguous", "alias", "clone", "detach", "to.dtype", "to.device", "to.dtype_layout",
-    "to.other", "_to_copy.default", "type_as.default", "where.self", "masked_fill.Scalar", "masked_fill.Tensor",
-    "rms_norm", "flatten", "unflatten", "view_as", "reshape_as", "zeros_like", "ones_like", "full_like",
-}
+# ops that act on each position alone when the sequence dim is not one they reduce or normalise: the
+# sharding pass's position-wise family, less what draws random numbers or makes new storage from nothing
+_POINTWISE = POSITIONWISE_NAMES - {"dropout", "native_dropout", "bernoulli", "rand_like", "randn_like", "empty_like",
+                                   "lift_fresh_copy"}
 _REDUCE = {"sum", "mean", "amax", "amin", "logsumexp", "var", "std", "softmax", "_softmax", "log_softmax",
            "_log_softmax", "norm"}
 _LOSS = {"cross_entropy", "nll_loss"}

@@ -254,7 +254,7 @@ def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory
 
     if not (offload and host_memory and fit):
         out = least(host_memory)
-        return (profile, _no_sp_at(tracer, l2, device, claim), *out, None)
+        return (profile, _no_sp_at(tracer, l2, device, claim), *out)
     local1 = tracer.trace(l1, single=False).local
     tried = []
 
@@ -263,7 +263,7 @@ def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory
         length = fit({l1: priced1, l2: out[1]})
         dev = (float(np.max(out[1][0])) - float(np.max(priced1[0]))) / (l2 - l1)    # device bytes per token
         host = (out[1][2] - priced1[2]) / (l2 - l1)                                  # host bytes per token
-        tried.append((length, out, priced1))
+        tried.append((length, out))
         return length, dev, host
 
     # A: nothing offloaded (the device alone, length L_A, d_A bytes per token). Offloading h bytes per
@@ -281,8 +281,8 @@ def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory
         if abs(nxt - target) <= 0.02 * target:
             break
         target = nxt
-    _, out, priced1 = max(tried, key=lambda t: t[0])
-    return (profile, _no_sp_at(tracer, l2, device, claim), *out, priced1)
+    _, out = max(tried, key=lambda t: t[0])
+    return (profile, _no_sp_at(tracer, l2, device, claim), *out)
 
 
 def _replay(local1, decisions, tiles, device):
@@ -352,8 +352,8 @@ def probe(tracer, l1: int, l2: int, device: str, offload: bool, parallel: bool =
     token = os.path.join(tempfile.mkdtemp(prefix="autosp-plan-"), "no-sp")
     claim = _claimer(token)
     try:
-        (profiles, local1, single1, mine), (profile2, theirs, (least, seconds, tiling), priced2, decisions, tiles, sig2,
-                                            priced1) = _both(
+        (profiles, local1, single1, mine), (profile2, theirs, (least, seconds, tiling), priced2, decisions, tiles,
+                                            sig2) = _both(
             lambda: probe_short(tracer, l1, l2, device, tiled, claim),
             lambda: probe_long(tracer, l1, l2, device, offload, host_memory, fit, tiled, claim), parallel)
     finally:
@@ -365,7 +365,7 @@ def probe(tracer, l1: int, l2: int, device: str, offload: bool, parallel: bool =
     replayed, joint1 = _replay(local1, decisions, tiles, device)
     check_affine(signature(joint1.graph), l1, sig2, l2)
     check_affine(single1, l1, single2, l2)
-    return Probe(profiles, least, {l1: priced1 or replayed, l2: priced2}, decisions, seconds, tiling)
+    return Probe(profiles, least, {l1: replayed, l2: priced2}, decisions, seconds, tiling)
 
 
 def _both(first, second, parallel: bool = True):
