@@ -193,7 +193,8 @@ def _distinct_bytes(vs, exclude=()) -> int:
 
 
 def solve_placed(problem: IlpProblem, needs: Needs, budget: float | None, *, minimize_peak: bool = False,
-                 classes=None, rounds: int = 6, feasibility: bool = False, known: set[int] | None = None) -> np.ndarray:
+                 classes=None, rounds: int = 6, feasibility: bool = False, known: set[int] | None = None,
+                 node_limit: int | None = None) -> np.ndarray:
     """Solve with the memory placed for the plan's own recomputations: plan -> R -> place(R) ->
     plan, until the recomputed set is stable or repeats. Returns the best self-consistent answer
     (its memory modelled with its own placement): the cheapest within budget, or the lowest peak.
@@ -206,10 +207,12 @@ def solve_placed(problem: IlpProblem, needs: Needs, budget: float | None, *, min
         needs.place(problem, recomputed)
         try:
             if classes is None:
-                x = solve(problem, budget, minimize_peak=minimize_peak, feasibility=feasibility, known=known)
+                x = solve(problem, budget, minimize_peak=minimize_peak, feasibility=feasibility, known=known,
+                          node_limit=node_limit)
             else:
                 tied, cls = tie(problem, classes)
-                x = untie(solve(tied, budget, minimize_peak=minimize_peak, feasibility=feasibility, known=known), cls)
+                x = untie(solve(tied, budget, minimize_peak=minimize_peak, feasibility=feasibility, known=known,
+                                node_limit=node_limit), cls)
         except Infeasible:
             if best is not None:
                 break
@@ -261,8 +264,9 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, ho
         return prog, simulate_step(prog, device.name).peak
 
     if kind == "least":
-        # refine False asks for a peak (the planning command's length search): a coarser bisection
-        least = _least(problem, needs, classes, simulated, no_remat, full_x, full, tol=0.005 if refine else 0.01)
+        # refine False asks for a peak (the planning command's length search): a coarser search
+        least = _least(problem, needs, classes, simulated, no_remat, full_x, full, tol=0.005 if refine else 0.02,
+                       rounds=2)
         if refine:
             least = _cheapest_at(problem, needs, classes, simulated, least)
         x, prog, peak = least
@@ -291,8 +295,8 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, ho
         raise BudgetError(f"autosp remat: memory_budget={budget!r} ({_fmt(target)} per rank): the budget's solves "
                           "found no plan (the least-peak search was not asked for).")
     if best is None:
-        # the smallest peak the planner reaches, by bisection on feasibility (minimising the peak
-        # directly is a much harder MIP); its plan is used if it fits, else the budget is refused
+        # the smallest peak the planner reaches (_least: peak-minimising MIPs and a bisection, judged by
+        # simulation); its plan is used if it fits, else the budget is refused
         # the same search as memory_budget="least" (its own rows: the least it reports is then accepted)
         least = _least(problem, needs, classes, simulated, no_remat, full_x, full)
         least_peak = least[2]
@@ -353,17 +357,60 @@ def _host_shortfall(problem, unlimited, needs, classes, simulated, least_x, host
     return None
 
 
-def _least(problem, needs, classes, simulated, no_remat, full_x, full, tol: float = 0.005):
-    """(x, program, peak) of the lowest simulated peak found by bisection on the budget. Each solve
-    starts from the memory rows the ones before it needed (a row holds at every budget); the search
-    starts from none, so it is the same search wherever it is asked."""
-    best = (full_x, full, no_remat)
-    lo, hi = float(np.max(problem.base)), float(no_remat)
+def _least(problem, needs, classes, simulated, no_remat, full_x, full, tol: float = 0.005, rounds: int = 2):
+    """(x, program, peak) of the lowest simulated peak found: peak-minimising MIPs with the memory
+    placed for a set of recomputations (none, then each answer's own, `rounds` times); a bisection
+    on the budget below the lowest so far (feasibility solves, each placed for its own plan's
+    recomputations: cautious, but self-consistent); then the MIPs again from the bisection's set.
+    The placement is a model: an answer that recomputes other equations may peak elsewhere, so the
+    simulation of each answer's program judges, and the lowest is kept. Every solve starts from the
+    memory rows the others needed (a row holds at every budget and placement). Deterministic: the
+    same search wherever it is asked."""
     known: set[int] = set()
-    while hi - lo > tol * no_remat:
+    best = _descend(problem, needs, classes, simulated, (full_x, full, no_remat), frozenset(), rounds, known)
+    bisected = _bisect(problem, needs, classes, simulated, best, tol, known)
+    if bisected[2] < best[2]:
+        best = _descend(problem, needs, classes, simulated, bisected, problem.recomputed(bisected[0]), rounds, known)
+    needs.place(problem, problem.recomputed(best[0]))
+    return best
+
+
+def _descend(problem, needs, classes, simulated, best, placed, rounds, known):
+    """The best of `best` and the peak-minimising MIPs placed for `placed`, then for each answer's set."""
+    seen = set()
+    for _ in range(rounds):
+        needs.place(problem, placed)
+        try:
+            if classes is None:
+                x = solve(problem, None, minimize_peak=True, known=known, gap=LEAST_GAP)
+            else:
+                tied, cls = tie(problem, classes)
+                x = untie(solve(tied, None, minimize_peak=True, known=known, gap=LEAST_GAP), cls)
+        except Infeasible:
+            break
+        prog, peak = simulated(x)
+        if peak < best[2]:
+            best = (x, prog, peak)
+        nxt = problem.recomputed(x)
+        if nxt == placed or nxt in seen:
+            break
+        seen.add(placed)
+        placed = nxt
+    return best
+
+
+LEAST_GAP = 0.05    # the peak-minimising MIPs stop within 5 %: the placement's error is larger than that
+
+
+def _bisect(problem, needs, classes, simulated, best, tol, known):
+    """(x, program, peak): `best` or a lower peak found by bisection on the budget below it, down to
+    the tolerance `tol` of the peak (feasibility solves, each placed for its own recomputations)."""
+    lo, hi = float(np.max(problem.base)), float(best[2])
+    while hi - lo > tol * hi:
         mid = (lo + hi) / 2
         try:
-            x = solve_placed(problem, needs, mid, classes=classes, feasibility=True, known=known)
+            x = solve_placed(problem, needs, mid, classes=classes, feasibility=True, known=known,
+                             node_limit=BISECT_NODES)
         except Infeasible:
             lo = mid
             continue
@@ -372,6 +419,10 @@ def _least(problem, needs, classes, simulated, no_remat, full_x, full, tol: floa
             best = (x, prog, peak)
         hi = min(mid, peak) if peak <= mid else mid
     return best
+
+
+BISECT_NODES = 50   # a budget whose feasibility is not settled within 50 nodes counts as too low: near the
+                    # least, proving a budget infeasible took seconds (tiny's plan: 2.5 s) and found nothing
 
 
 def _cheapest_at(problem, needs, classes, simulated, least):

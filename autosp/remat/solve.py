@@ -42,13 +42,23 @@ class Infeasible(Exception):
 
 
 def _row(p: IlpProblem, t: int) -> tuple[list[int], list[float]]:
-    cols, vals = [], []
-    for j, ivs in enumerate(p.intervals):
-        w = sum(b for a, z, b in ivs if a <= t <= z)
-        if w:
-            cols.append(j)
-            vals.append(w)
-    return cols, vals
+    """The memory row at time t: each variable's bytes live at t (from its intervals)."""
+    j, a, z, w = _interval_arrays(p)
+    hit = (a <= t) & (t <= z)
+    weights = np.bincount(j[hit], weights=w[hit], minlength=p.n_vars)
+    cols = np.flatnonzero(weights)
+    return cols.tolist(), weights[cols].tolist()
+
+
+def _interval_arrays(p: IlpProblem):
+    """p.intervals flattened to arrays (variable, first t, last t, bytes), cached per placement."""
+    hit = getattr(p, "_flat", None)
+    if hit is None or hit[0] is not p.intervals:
+        flat = [(j, a, z, b) for j, ivs in enumerate(p.intervals) for a, z, b in ivs]
+        arr = np.array(flat, dtype=np.float64).reshape(-1, 4)
+        hit = (p.intervals, arr[:, 0].astype(np.int64), arr[:, 1], arr[:, 2], arr[:, 3])
+        p._flat = hit
+    return hit[1:]
 
 
 def _seed_rows(p: IlpProblem, k: int = 4) -> set[int]:
@@ -69,7 +79,7 @@ TIME_LIMIT = 20.0   # seconds per MIP; past it HiGHS's best answer so far is tak
 
 
 def _solve_rows(p: IlpProblem, rows: set[int], budget: float | None, minimize_peak: bool, gap: float = GAP,
-                feasibility: bool = False, time_limit: float = TIME_LIMIT):
+                feasibility: bool = False, time_limit: float | None = None, node_limit: int | None = None):
     nb, n = p.n_bin, p.n_vars
     cost = np.nan_to_num(p.cost, posinf=0.0)
     ub = np.concatenate([np.where(np.isinf(p.cost), 0.0, 1.0), np.ones(n - nb)])
@@ -82,7 +92,7 @@ def _solve_rows(p: IlpProblem, rows: set[int], budget: float | None, minimize_pe
         c = np.zeros_like(c)
     if minimize_peak:
         # the peak alone (a budget solve at that peak then finds the cheapest plan)
-        c = np.append(np.zeros_like(c), 1.0 / scale)
+        c = np.append(np.zeros_like(c), 1.0)
         ub = np.append(ub, np.inf)
     r_i, r_j, r_v, lo, hi = [], [], [], [], []
 
@@ -103,8 +113,8 @@ def _solve_rows(p: IlpProblem, rows: set[int], budget: float | None, minimize_pe
     for t in sorted(rows):
         cols, vals = _row(p, t)
         terms = list(zip(cols, vals))
-        if minimize_peak:
-            add(terms + [(n, -1.0)], -np.inf, -p.base[t])
+        if minimize_peak:               # in units of the widest value: bytes alone span too many decades
+            add([(j, v / scale) for j, v in terms] + [(n, -1.0)], -np.inf, -p.base[t] / scale)
         else:
             add(terms, -np.inf, budget - p.base[t])
     width = n + (1 if minimize_peak else 0)
@@ -113,7 +123,9 @@ def _solve_rows(p: IlpProblem, rows: set[int], budget: float | None, minimize_pe
     with _quiet():
         res = milp(c, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
                    bounds=Bounds(np.zeros(width), ub),
-                   options={"disp": False, "mip_rel_gap": gap, "time_limit": time_limit})
+                   options={"disp": False, "mip_rel_gap": gap,
+                            "time_limit": TIME_LIMIT if time_limit is None else time_limit,
+                            **({"node_limit": node_limit} if node_limit else {})})
     if res.x is None:
         return None
     return np.round(res.x[:nb])
@@ -121,15 +133,18 @@ def _solve_rows(p: IlpProblem, rows: set[int], budget: float | None, minimize_pe
 
 def solve(p: IlpProblem, budget: float | None = None, *, minimize_peak: bool = False,
           max_rounds: int = 60, gap: float | None = None, feasibility: bool = False,
-          time_limit: float = TIME_LIMIT, known: set[int] | None = None) -> np.ndarray:
+          time_limit: float | None = None, known: set[int] | None = None, node_limit: int | None = None) -> np.ndarray:
     """The cheapest binary assignment whose modelled memory stays within `budget` at every time
     point (or, with minimize_peak, one with the smallest peak). Raises Infeasible. `known`: time
     points whose rows earlier solves of the same problem needed; they start this solve, and the
-    rows this one adds are added to it (a row holds at every budget, so sharing them is exact)."""
+    rows this one adds are added to it (a row holds at every budget, so sharing them is exact).
+    `node_limit`: branch-and-bound nodes per MIP, past which a MIP without an answer is Infeasible
+    (a deterministic limit, unlike time: the least-peak search's feasibility solves)."""
     rows = _seed_rows(p) | (known or set())
     x = None
     for _ in range(max_rounds):
-        x = _solve_rows(p, rows, budget, minimize_peak, GAP if gap is None else gap, feasibility, time_limit)
+        x = _solve_rows(p, rows, budget, minimize_peak, GAP if gap is None else gap, feasibility, time_limit,
+                        node_limit)
         if x is None:
             raise Infeasible()
         mem = p.memory(x)
@@ -140,6 +155,8 @@ def solve(p: IlpProblem, budget: float | None = None, *, minimize_peak: bool = F
             if not new:
                 return x
             rows.update(new)
+            if known is not None:
+                known.update(new)
             continue
         over = np.flatnonzero(mem > budget * (1 + 1e-9))
         new = [int(t) for t in over[np.argsort(-mem[over])] if int(t) not in rows][:16]
