@@ -3,8 +3,9 @@
 A chain is a connected set of equations that are position-wise along the local sequence and make a
 value wider per token than what enters them: the MLP (gate / up -> activation -> multiply -> down,
 [s, h] -> [s, f] -> [s, h]), the loss head (lm head -> cross-entropy per token, [s, h] -> [s, vocab]
--> [s]) and a norm that computes in fp32 on bf16 values (named mlp.i, loss, norm.i). Tiled k ways, the chain's sequence inputs are split along the sequence
-(`split_with_sizes`), the chain runs once per tile, and its outputs (narrow again) are concatenated:
+-> [s]) and a norm that computes in fp32 on bf16 values (named mlp.i, loss, norm.i). Tiled k ways, the
+chain's sequence inputs are split along the sequence (`split_with_sizes`), the chain runs once per tile,
+and its outputs (narrow again) are concatenated:
 
     %79: f32[1 (sp s) 64]  ->  split  ->  gate, up, silu, mul, down on [1, s/k, ...]  x k  ->  cat  ->  %84
 

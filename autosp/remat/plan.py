@@ -206,13 +206,8 @@ def solve_placed(problem: IlpProblem, needs: Needs, budget: float | None, *, min
     for _ in range(rounds):
         needs.place(problem, recomputed)
         try:
-            if classes is None:
-                x = solve(problem, budget, minimize_peak=minimize_peak, feasibility=feasibility, known=known,
-                          node_limit=node_limit)
-            else:
-                tied, cls = tie(problem, classes)
-                x = untie(solve(tied, budget, minimize_peak=minimize_peak, feasibility=feasibility, known=known,
-                                node_limit=node_limit), cls)
+            x = _solve_classes(problem, classes, budget, minimize_peak=minimize_peak, feasibility=feasibility,
+                               known=known, node_limit=node_limit)
         except Infeasible:
             if best is not None:
                 break
@@ -233,6 +228,14 @@ def solve_placed(problem: IlpProblem, needs: Needs, budget: float | None, *, min
     if not minimize_peak and float(np.max(problem.memory(x))) > budget * (1 + 1e-9):
         raise Infeasible()
     return x
+
+
+def _solve_classes(problem: IlpProblem, classes, budget: float | None, **kw) -> np.ndarray:
+    """solve(), with every member of a class (template.py) making the same choice when `classes` is given."""
+    if classes is None:
+        return solve(problem, budget, **kw)
+    tied, cls = tie(problem, classes)
+    return untie(solve(tied, budget, **kw), cls)
 
 
 def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, host_memory=None,
@@ -265,8 +268,7 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, ho
 
     if kind == "least":
         # refine False asks for a peak (the planning command's length search): a coarser search
-        least = _least(problem, needs, classes, simulated, no_remat, full_x, full, tol=0.005 if refine else 0.02,
-                       rounds=2)
+        least = _least(problem, needs, classes, simulated, no_remat, full_x, full, tol=0.005 if refine else 0.02)
         if refine:
             least = _cheapest_at(problem, needs, classes, simulated, least)
         x, prog, peak = least
@@ -381,11 +383,7 @@ def _descend(problem, needs, classes, simulated, best, placed, rounds, known):
     for _ in range(rounds):
         needs.place(problem, placed)
         try:
-            if classes is None:
-                x = solve(problem, None, minimize_peak=True, known=known, gap=LEAST_GAP)
-            else:
-                tied, cls = tie(problem, classes)
-                x = untie(solve(tied, None, minimize_peak=True, known=known, gap=LEAST_GAP), cls)
+            x = _solve_classes(problem, classes, None, minimize_peak=True, known=known, gap=LEAST_GAP)
         except Infeasible:
             break
         prog, peak = simulated(x)

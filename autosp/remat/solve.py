@@ -148,17 +148,11 @@ def solve(p: IlpProblem, budget: float | None = None, *, minimize_peak: bool = F
         if x is None:
             raise Infeasible()
         mem = p.memory(x)
-        if minimize_peak:
-            bound = max(float(mem[t]) for t in rows) if rows else -np.inf     # the peak the MIP saw
-            over = np.flatnonzero(mem > bound * (1 + 1e-9))
-            new = [int(t) for t in over[np.argsort(-mem[over])] if int(t) not in rows][:16]
-            if not new:
-                return x
-            rows.update(new)
-            if known is not None:
-                known.update(new)
-            continue
-        over = np.flatnonzero(mem > budget * (1 + 1e-9))
+        if minimize_peak:                                     # the peak the MIP saw, over its rows
+            limit = max(float(mem[t]) for t in rows) if rows else -np.inf
+        else:
+            limit = budget
+        over = np.flatnonzero(mem > limit * (1 + 1e-9))
         new = [int(t) for t in over[np.argsort(-mem[over])] if int(t) not in rows][:16]
         if not new:
             return x

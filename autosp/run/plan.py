@@ -139,14 +139,11 @@ class Tracer:
         return autosp.shard(self.loss_fn, self.single_mesh).graphs(self.params, ids, ids)[1]
 
 
-def _step(graph, budget, device: str, offload: bool = False, refine: bool = True, host_memory: int | None = None):
-    """(Plan, Program) of one training step of `graph` under `budget` (None: no remat; "least": the
-    plan with the least peak found), through the planning entry autosp.plan uses. refine=False: any
-    plan that fits, for the length search, which reports peaks. `host_memory`: bytes per rank the
-    offloaded values may take (None: no limit)."""
+def _step(graph, budget, device: str):
+    """(Plan, Program) of one training step of `graph` under `budget` (None: no remat), without offload,
+    through the planning entry autosp.plan uses."""
     from autosp.remat import plan_step
-    plan, program, _, _ = plan_step(graph, budget, device=device, offload=offload, refine=refine,
-                                    host_memory=host_memory)
+    plan, program, _, _ = plan_step(graph, budget, device=device, offload=False)
     return plan, program
 
 
@@ -209,19 +206,27 @@ def _claimer(path: str):
     return claim
 
 
+def _deepest(local, tiled: bool = True):
+    """(chains, Chain.id -> k) of the tiling the probes plan with: every chain in as many tiles as lower its
+    peak (tiling_levels' deepest; passes/tile.py's chains scale alike with the length); none if not `tiled`."""
+    from autosp.passes.tile import find_chains
+    from autosp.remat import tiling_levels
+    chains = find_chains(local)
+    return chains, (tiling_levels(chains)[-1] if tiled else {})
+
+
 def probe_short(tracer, l1: int, l2: int, device: str, tiled: bool = True, claim=None):
     """The no-remat programs (no SP and SP) at l1, and the SP step at l1, on which the plan found at l2 is
     replayed."""
     from autosp.remat import joint_of
     p = tracer.trace(l1)
     profiles = {("nosp", l1): _no_remat(p.single, device), ("sp", l1): _no_remat(p.local, device)}
-    # the tiling the least-peak search takes at l2 (the deepest: passes/tile.py's chains scale alike with
-    # the length), differentiated here while the other process searches: the replay finds it cached
-    from autosp.passes.tile import find_chains, tile
-    from autosp.remat import tiling_levels
-    deepest = tiling_levels(find_chains(p.local))[-1] if tiled else {}
+    # the tiling the least-peak search takes at l2, differentiated here while the other process searches:
+    # the replay finds it cached
+    from autosp.passes.tile import tile
+    chains, deepest = _deepest(p.local, tiled)
     if deepest:
-        joint_of(tile(p.local, deepest))
+        joint_of(tile(p.local, deepest, chains))
     return profiles, p.local, signature(joint_of(p.single)[1].graph), _no_sp_at(tracer, l2, device, claim)
 
 
@@ -237,11 +242,7 @@ def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory
     p = tracer.trace(l2, single=False)
     profile = {("sp", l2): _no_remat(p.local, device)}
 
-    # at the long probe every chain in as many tiles as lower its peak (tiling_levels' deepest)
-    from autosp.passes.tile import find_chains
-    from autosp.remat import tiling_levels
-    chains = find_chains(p.local)
-    deepest = tiling_levels(chains)[-1] if tiled else {}
+    chains, deepest = _deepest(p.local, tiled)
     deep = {c.name: deepest[c.id] for c in chains if c.id in deepest}
 
     def least(cap):
