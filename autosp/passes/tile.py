@@ -63,10 +63,14 @@ class Chain:
 
     def k_max(self, min_tile: int = 16) -> int:
         """The most tiles worth having: a power of two that brings the widest value down to about the
-        size of the chain's input (more tiles would not lower the peak: the input is live anyway), with
-        tiles of at least `min_tile` positions."""
+        size of the chain's input (more tiles would not lower the peak: the input is live anyway), half
+        of it for a chain whose output is as wide as its input (an MLP: in its backward about four values
+        of a tile's width are live beside the input and the output's gradient), with tiles of at least
+        `min_tile` positions. A loss chain's tiles end in per-token losses: tiled further it measured
+        worse (bench/RESULTS.md, the 8-GPU 8B plan)."""
+        limit = self.in_bytes / (1 if self.name == "loss" else 2)
         k = 1
-        while self.wide_bytes / k > self.in_bytes and 2 * k <= self.length // min_tile:
+        while self.wide_bytes / k > limit and 2 * k <= self.length // min_tile:
             k *= 2
         return k
 

@@ -6,6 +6,7 @@ forward value the backward reads, to save, recompute or offload it under a memor
              cost.py              seconds per equation (FLOPs, bytes, links)
     problem  problem.py           IlpProblem: variables, availability rows, memory intervals
     solve    solve.py             HiGHS with lazy memory rows; brute force for tests
+    seeds    cuts.py              per-layer checkpointing at the dataflow's cuts, simulated beside the ILP
     apply    apply.py             the plan -> forward and backward programs
     plan     plan.py              Plan (data, printable), the budget loop, simulate_step
     run      runtime.py           the programs as one autograd.Function

@@ -26,6 +26,7 @@ from autosp.passes.autodiff import Joint
 from autosp.remat import liveness as L
 from autosp.remat.apply import Program, apply_plan, host_name
 from autosp.remat.cost import Device, eqn_cost
+from autosp.remat.cuts import activations, checkpoint_plans
 from autosp.remat.problem import IlpProblem, Needs, build, host_limit
 from autosp.remat.solve import Infeasible, solve
 from autosp.remat.template import tie, untie, variable_classes
@@ -74,6 +75,7 @@ class Plan:
     offload_seconds: float = 0.0         # the host transfers' modelled time (out and back, on a side stream)
     host_memory_bytes: int | None = None     # the host capacity per rank the plan was held to (None: no limit)
     tiling: tuple[tuple[str, int, int, int], ...] = ()   # (chain, k tiles, widest value whole, per tile)
+    method: str = "ILP"                  # how it was found: the ILP, or per-layer checkpointing (cuts.py)
 
     @property
     def saved_bytes(self) -> int:
@@ -99,6 +101,8 @@ class Plan:
         if self.offload_bytes or self.host_memory_bytes is not None:
             cap = "" if self.host_memory_bytes is None else f" of {_fmt(self.host_memory_bytes)} host memory"
             host = f"{cap}, host transfers {self.offload_seconds * 1e3:.3g} ms modelled"
+        if self.method != "ILP":
+            lines.append(f"found by {self.method}")
         lines.append(f"totals: saved {_fmt(self.saved_bytes)}, offloaded {_fmt(self.offload_bytes)}{host}, "
                      f"recompute {self.recompute_flops:.3g} FLOPs ({self.recompute_seconds * 1e3:.3g} ms modelled)")
         for name, k, whole, tile in self.tiling:
@@ -266,13 +270,21 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, ho
         prog = _program(joint, problem, x)
         return prog, simulate_step(prog, device.name).peak
 
+    found = []
+
+    def seeds():                        # per-layer checkpointing at the cuts (cuts.py): the least search's start
+        found[:] = checkpoint_plans(problem, needs, activations(joint), host)
+        return found
+
     if kind == "least":
         # refine False asks for a peak (the planning command's length search): a coarser search
-        least = _least(problem, needs, classes, simulated, no_remat, full_x, full, tol=0.005 if refine else 0.02)
+        least = _least(problem, needs, classes, simulated, no_remat, full_x, full, tol=0.005 if refine else 0.02,
+                       seeds=seeds())
         if refine:
             least = _cheapest_at(problem, needs, classes, simulated, least)
         x, prog, peak = least
-        return _describe(problem, joint, x, prog, no_remat, int(peak), int(peak), device, host), prog
+        return _describe(problem, joint, x, prog, no_remat, int(peak), int(peak), device, host,
+                         _method(x, found)), prog
     target = amount * no_remat if kind == "fraction" else amount
     if target >= no_remat:
         return _describe(problem, joint, full_x, full, no_remat, int(target), None, device, host), full
@@ -300,7 +312,7 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, ho
         # the smallest peak the planner reaches (_least: peak-minimising MIPs and a bisection, judged by
         # simulation); its plan is used if it fits, else the budget is refused
         # the same search as memory_budget="least" (its own rows: the least it reports is then accepted)
-        least = _least(problem, needs, classes, simulated, no_remat, full_x, full)
+        least = _least(problem, needs, classes, simulated, no_remat, full_x, full, seeds=seeds())
         least_peak = least[2]
         if least_peak <= target:
             if refine:
@@ -318,7 +330,13 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, ho
                 f"{least_peak / no_remat:.3f}), or more sequence-parallel ranks.", least_peak_bytes=int(least_peak))
         best = least + (problem.objective(least[0]),)
     x, prog = best[0], best[1]
-    return _describe(problem, joint, x, prog, no_remat, int(target), least_peak, device, host), prog
+    return _describe(problem, joint, x, prog, no_remat, int(target), least_peak, device, host,
+                     _method(x, found)), prog
+
+
+def _method(x, seeds) -> str:
+    """How the plan `x` was found: by which of the `seeds` (cuts.py) it is, else by the ILP."""
+    return next((how for how, y in seeds if np.array_equal(np.asarray(x), y)), "ILP")
 
 
 def _offloaded_bytes(p: IlpProblem, x) -> float:
@@ -359,17 +377,31 @@ def _host_shortfall(problem, unlimited, needs, classes, simulated, least_x, host
     return None
 
 
-def _least(problem, needs, classes, simulated, no_remat, full_x, full, tol: float = 0.005, rounds: int = 2):
-    """(x, program, peak) of the lowest simulated peak found: peak-minimising MIPs with the memory
-    placed for a set of recomputations (none, then each answer's own, `rounds` times); a bisection
-    on the budget below the lowest so far (feasibility solves, each placed for its own plan's
-    recomputations: cautious, but self-consistent); then the MIPs again from the bisection's set.
+def _least(problem, needs, classes, simulated, no_remat, full_x, full, tol: float = 0.005, rounds: int = 2,
+           seeds=()):
+    """(x, program, peak) of the lowest simulated peak found: `seeds` (assignments: per-layer
+    checkpointing at the program's cuts, cuts.py), then peak-minimising MIPs with the memory
+    placed for a set of recomputations (none, then each answer's own, `rounds` times); where they
+    beat the seeds (or there are none), a bisection on the budget below the lowest so far
+    (feasibility solves, each placed for its own plan's recomputations: cautious, but
+    self-consistent), then the MIPs again from the bisection's set.
     The placement is a model: an answer that recomputes other equations may peak elsewhere, so the
     simulation of each answer's program judges, and the lowest is kept. Every solve starts from the
     memory rows the others needed (a row holds at every budget and placement). Deterministic: the
     same search wherever it is asked."""
     known: set[int] = set()
-    best = _descend(problem, needs, classes, simulated, (full_x, full, no_remat), frozenset(), rounds, known)
+    best = (full_x, full, no_remat)
+    for _, x in seeds:
+        prog, peak = simulated(x)
+        if peak < best[2]:
+            best = (x, prog, peak)
+    seeded = best
+    best = _descend(problem, needs, classes, simulated, best, frozenset(), rounds, known)
+    if best is seeded and seeded[0] is not full_x:
+        # per-layer checkpointing beat the MIPs: the bisection, which refines the MIPs' model below their
+        # answer, found nothing lower in any problem measured (bench/RESULTS.md) and took seconds
+        needs.place(problem, problem.recomputed(best[0]))
+        return best
     bisected = _bisect(problem, needs, classes, simulated, best, tol, known)
     if bisected[2] < best[2]:
         best = _descend(problem, needs, classes, simulated, bisected, problem.recomputed(bisected[0]), rounds, known)
@@ -447,7 +479,7 @@ def _program(joint: Joint, p: IlpProblem, x) -> Program:
 
 
 def _describe(p: IlpProblem, joint: Joint, x, program: Program, no_remat, target, least, device,
-              host: int | None = None) -> Plan:
+              host: int | None = None, method: str = "ILP") -> Plan:
     fwd = joint.forward_eqns
     nK, nV = len(p.eqns), len(p.values)
     by_name = {o.name: (k, o) for k, e in enumerate(fwd) for o in e.outputs}
@@ -473,4 +505,5 @@ def _describe(p: IlpProblem, joint: Joint, x, program: Program, no_remat, target
     peak = simulate_step(program, device.name).peak
     offloaded = [d for d in decisions if d.action == "offload"]
     return Plan(tuple(decisions), int(peak), int(no_remat), target, least, int(rflops), float(rsec),
-                sum(d.bytes for d in offloaded), device.name, float(sum(d.seconds for d in offloaded)), host)
+                sum(d.bytes for d in offloaded), device.name, float(sum(d.seconds for d in offloaded)), host,
+                method=method)

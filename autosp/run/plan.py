@@ -181,6 +181,7 @@ class Probe:
     decisions: tuple        # that plan: (saved names, recomputed forward equations, offloaded names)
     offload_seconds: float  # that plan's host transfers at l2 (the cost model's), in proportion to their bytes
     tiling: tuple = ()      # that plan's tiled chains (Plan.tiling, at l2)
+    method: str = "ILP"     # how that plan was found (Plan.method)
 
 
 def _no_sp_at(tracer, length: int, device: str, claim) -> tuple | None:
@@ -250,8 +251,8 @@ def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory
                                             host_memory=cap, tiles=deep)
         decisions = (program.saved, _recomputed(joint, program), program.offloaded)
         tiles = {name: k for name, k, _, _ in plan.tiling}
-        return ((plan.peak_bytes, plan.offload_seconds, plan.tiling), _priced(program, device), decisions, tiles,
-                signature(joint.graph))
+        return ((plan.peak_bytes, plan.offload_seconds, plan.tiling, plan.method), _priced(program, device),
+                decisions, tiles, signature(joint.graph))
 
     if not (offload and host_memory and fit):
         out = least(host_memory)
@@ -353,8 +354,8 @@ def probe(tracer, l1: int, l2: int, device: str, offload: bool, parallel: bool =
     token = os.path.join(tempfile.mkdtemp(prefix="autosp-plan-"), "no-sp")
     claim = _claimer(token)
     try:
-        (profiles, local1, single1, mine), (profile2, theirs, (least, seconds, tiling), priced2, decisions, tiles,
-                                            sig2) = _both(
+        (profiles, local1, single1, mine), (profile2, theirs, (least, seconds, tiling, method), priced2, decisions,
+                                            tiles, sig2) = _both(
             lambda: probe_short(tracer, l1, l2, device, tiled, claim),
             lambda: probe_long(tracer, l1, l2, device, offload, host_memory, fit, tiled, claim), parallel)
     finally:
@@ -366,7 +367,7 @@ def probe(tracer, l1: int, l2: int, device: str, offload: bool, parallel: bool =
     replayed, joint1 = _replay(local1, decisions, tiles, device)
     check_affine(signature(joint1.graph), l1, sig2, l2)
     check_affine(single1, l1, single2, l2)
-    return Probe(profiles, least, {l1: replayed, l2: priced2}, decisions, seconds, tiling)
+    return Probe(profiles, least, {l1: replayed, l2: priced2}, decisions, seconds, tiling, method)
 
 
 def _both(first, second, parallel: bool = True):
@@ -672,7 +673,9 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
             host_bytes = int(_line(ha, l1, hb, l2).peak(length))
             rows.append(Row(name, length, aff.peak(length),
                             tuple(int(_line(a, l1, b, l2).peak(length)) for a, b in zip(ca, cb)),
-                            f"the plan with the least peak found at {l2:,} ({fmt(q.least)}), replayed at {l1:,}, "
+                            f"the plan with the least peak found at {l2:,} ({fmt(q.least)}"
+                            + (f", by {q.method}" if q.method != "ILP" else ", by the ILP")
+                            + f"), replayed at {l1:,}, "
                             f"fits up to {length:,}"
                             + (f"; it tiles {', '.join(_tiled_names(q.tiling))}" if q.tiling else "")
                             + (f"; it offloads {fmt(host_bytes)} to host memory per rank" if host_bytes else "")
