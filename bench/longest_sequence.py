@@ -16,7 +16,9 @@ Methods (--methods, default all), on the same HF Llama (sdpa) and SP gloo ranks 
                  refuses does not fit)
 A length fits when the step's peak per rank -- bytes allocated above what was live before the step,
 from the profiler's allocation events (autosp.memory.peak_bytes), the largest over the ranks -- is at
-most --memory MiB. Per method the search brackets the answer (a fitting length, a failing one) and
+most --memory MiB; each method's peak is measured on its second step at that length (autosp's first
+compiles and plans; the others' first sets up caches and buffers, which made ALST's first-step peaks
+vary by 20 % between runs). Per method the search brackets the answer (a fitting length, a failing one) and
 probes where the line through the two nearest measured peaks meets the memory, else halfway, until
 the bracket is one --granularity wide. Then the step times (forward + backward, median of --steps,
 all timed steps round-robin, so each pair alternates A/B): autosp against ulysses at ulysses' longest
@@ -151,6 +153,8 @@ def _job(rank, world, args):
             refused = worst(step is None)
             if refused:
                 return False, None
+            if method != "autosp":                # autosp's make() ran one step: every method is measured
+                step()                            # on its second step at a length, not on one-time setup
             free_grads()
             dist.barrier(sp)
             peak = worst(peak_bytes(step)[0])

@@ -63,14 +63,18 @@ class Chain:
 
     def k_max(self, min_tile: int = 16) -> int:
         """The most tiles worth having: a power of two that brings the widest value down to about the
-        size of the chain's input (more tiles would not lower the peak: the input is live anyway), half
-        of it for a chain whose output is as wide as its input (an MLP: in its backward about four values
-        of a tile's width are live beside the input and the output's gradient), with tiles of at least
-        `min_tile` positions. A loss chain's tiles end in per-token losses: tiled further it measured
-        worse (bench/RESULTS.md, the 8-GPU 8B plan)."""
-        limit = self.in_bytes / (1 if self.name == "loss" else 2)
+        size of the chain's input (more tiles would not lower the peak: the input is live anyway), with
+        tiles of at least `min_tile` positions. A chain whose output is as wide as its input (an MLP)
+        holds several values of a tile's width at once in its backward, beside the input and the output's
+        gradient (five, and three of half that width, at the bench model's peak): its widest value goes
+        down to half the input, and to no fewer than 8 tiles. Measured (bench/RESULTS.md): the bench
+        model's least peak at 14,848 tokens 64.4 MiB in 4 tiles, 60.3 in 8; the 8-GPU 8B plan 3.82M tokens
+        in 4 tiles, 4.09M in 8, 4.06M in 16 (in 1.6x the planning time). A loss chain's tiles end in
+        per-token losses: tiled further it measured worse (the 8-GPU 8B plan: 2.28M tokens in 128 tiles)."""
+        loss = self.name == "loss"
         k = 1
-        while self.wide_bytes / k > limit and 2 * k <= self.length // min_tile:
+        while (self.wide_bytes / k > self.in_bytes / (1 if loss else 2) or (not loss and k < 8)) \
+                and 2 * k <= self.length // min_tile:
             k *= 2
         return k
 
