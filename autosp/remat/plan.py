@@ -309,8 +309,8 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, ho
         raise BudgetError(f"autosp remat: memory_budget={budget!r} ({_fmt(target)} per rank): the budget's solves "
                           "found no plan (the least-peak search was not asked for).")
     if best is None:
-        # the smallest peak the planner reaches (_least: peak-minimising MIPs and a bisection, judged by
-        # simulation); its plan is used if it fits, else the budget is refused
+        # the smallest peak the planner reaches (_least: per-layer checkpointing, peak-minimising MIPs and a
+        # bisection, judged by simulation); its plan is used if it fits, else the budget is refused
         # the same search as memory_budget="least" (its own rows: the least it reports is then accepted)
         least = _least(problem, needs, classes, simulated, no_remat, full_x, full, seeds=seeds())
         least_peak = least[2]

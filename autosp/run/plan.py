@@ -674,7 +674,7 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
             rows.append(Row(name, length, aff.peak(length),
                             tuple(int(_line(a, l1, b, l2).peak(length)) for a, b in zip(ca, cb)),
                             f"the plan with the least peak found at {l2:,} ({fmt(q.least)}"
-                            + (f", by {q.method}" if q.method != "ILP" else ", by the ILP")
+                            + f", by {q.method if q.method != 'ILP' else 'the ILP'}"
                             + f"), replayed at {l1:,}, "
                             f"fits up to {length:,}"
                             + (f"; it tiles {', '.join(_tiled_names(q.tiling))}" if q.tiling else "")
