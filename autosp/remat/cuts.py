@@ -123,7 +123,7 @@ def checkpoint_plans(problem: IlpProblem, needs: Needs, acts: set[str],
     without repeats. `acts`: activations(joint)."""
     found = cuts(problem, needs, acts)
     out, seen = [], set()
-    for step, phase in ((1, 0), (2, 0), (2, 1), (4, 0)):
+    for (step, phase), which in _SPACINGS.items():
         chosen = found[phase::step]
         if not chosen or (step > 1 and len(found) < 2 * step):
             continue
@@ -131,7 +131,11 @@ def checkpoint_plans(problem: IlpProblem, needs: Needs, acts: set[str],
         key = x.tobytes()
         if key not in seen and problem.feasible(x):
             seen.add(key)
-            which = "every cut" if step == 1 else f"every {'other' if step == 2 else 'fourth'} cut" + \
-                (f" from the {'second' if phase == 1 else 'first'}" if step == 2 else "")
             out.append((f"per-layer checkpointing: what crosses {which} of {len(found)} kept", x))
     return out
+
+
+# (every n-th cut, from the k-th) -> how it reads: in a transformer, every cut is every half-layer, every other
+# cut from the first is every layer's input (ALST's checkpoints)
+_SPACINGS = {(1, 0): "every cut", (2, 0): "every other cut from the first", (2, 1): "every other cut from the second",
+             (4, 0): "every fourth cut"}
