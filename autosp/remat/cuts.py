@@ -33,16 +33,19 @@ def activations(joint) -> set[str]:
     return dep
 
 
+def _last_reads(needs: Needs, among=None) -> np.ndarray:
+    """Per value: the position of the last needed equation that reads it (-1: none, or not `among`)."""
+    return np.array([max(needs.consumers.get(v, ()), default=-1) if among is None or i in among else -1
+                     for i, v in enumerate(needs.values)], dtype=np.int64)
+
+
 def crossing(problem: IlpProblem, needs: Needs, among=None) -> np.ndarray:
     """Bytes of the values (`among` them: positions in problem.values; None: all) crossing the point
     after each equation position: made at or before it, read by a needed equation after it."""
     nK = len(problem.eqns)
     diff = np.zeros(nK + 1)
-    for i, v in enumerate(needs.values):
-        if among is not None and i not in among:
-            continue
+    for i, z in enumerate(_last_reads(needs, among)):
         a = int(problem.value_eqn[i])
-        z = max(needs.consumers.get(v, ()), default=-1)
         if z > a:
             diff[a] += problem.value_bytes[i]
             diff[z] -= problem.value_bytes[i]
@@ -64,8 +67,7 @@ def cuts(problem: IlpProblem, needs: Needs, acts: set[str], slack: float = 0.5) 
     unit = max(weight, key=weight.get)
     B = crossing(problem, needs, among)
     made = problem.value_eqn
-    last = np.array([max(needs.consumers.get(v, ()), default=-1) if i in among else -1
-                     for i, v in enumerate(needs.values)])
+    last = _last_reads(needs, among)
     out: list[tuple[int, float, list[int]]] = []            # (dominant value, bytes, crossing values)
     for p in np.flatnonzero((B >= 0.5 * unit) & (B <= (1 + slack) * unit)):
         across = [int(i) for i in np.flatnonzero((made <= p) & (last > p))]
