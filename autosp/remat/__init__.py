@@ -19,22 +19,35 @@ __all__ = ["BudgetError", "Decision", "Plan", "compile_step", "make_plan", "pars
            "plan_step", "simulate_step"]
 
 
-_JOINTS: dict = {}          # the last few joint graphs, by the sharded graph they differentiate
+_JOINTS: dict = {}          # the last few joint graphs, by the sharded graph they differentiate: (boundary,
+                            # joint, program_key)
 
 
 def joint_of(local):
     """(StepBoundary, Joint) of a sharded forward graph, cached: planning the same step under several
-    budgets traces its backward once."""
+    budgets traces its backward once, and the same step at another length (the planner's second
+    probe) re-instantiates the joint it has (passes/rescale.py) instead of differentiating again."""
     from autosp.passes.autodiff import differentiate, split_boundary
-    key = (str(local), tuple(id(t) for _, t in local.consts))
+    from autosp.passes.rescale import RescaleError, program_key, rescale
+    text = str(local)
+    key = (text, tuple(id(t) for _, t in local.consts))
     hit = _JOINTS.get(key)
     if hit is None:
         boundary = split_boundary(local)
-        hit = (boundary, differentiate(boundary.graph))
-        if len(_JOINTS) >= 6:
+        shape = program_key(text)
+        for b, j, other in reversed(_JOINTS.values()):
+            if other == shape:
+                try:
+                    hit = (boundary, rescale(j, b.graph, boundary.graph), shape)
+                    break
+                except RescaleError:
+                    continue
+        if hit is None:
+            hit = (boundary, differentiate(boundary.graph), shape)
+        if len(_JOINTS) >= 8:
             _JOINTS.pop(next(iter(_JOINTS)))
         _JOINTS[key] = hit
-    return hit
+    return hit[:2]
 
 
 def tiling_levels(chains, levels: int = 6) -> list[dict[str, int]]:
@@ -62,6 +75,22 @@ def tiling_levels(chains, levels: int = 6) -> list[dict[str, int]]:
     return out
 
 
+_TILED: dict = {}           # the last few tiled graphs: (id of the graph, tiling) -> (graph, tiled graph)
+
+
+def _tiled(local, ks: dict, chains):
+    """tile(local, ks, chains), cached: the planner's rounds (autosp plan's host capacities) tile one step alike."""
+    from autosp.passes.tile import tile
+    key = (id(local), tuple(sorted(ks.items())))
+    hit = _TILED.get(key)
+    if hit is None or hit[0] is not local:
+        hit = (local, tile(local, ks, chains))
+        if len(_TILED) >= 4:
+            _TILED.pop(next(iter(_TILED)))
+        _TILED[key] = hit
+    return hit[1]
+
+
 def _by_id(tiles: dict, chains) -> dict[str, int]:
     """A tiling by chain name ('loss', 'mlp' for every MLP, 'mlp.3') -> by Chain.id."""
     from autosp.errors import AutospError
@@ -84,7 +113,7 @@ def _planned(local, memory_budget, dev, *, host_memory=None, refine: bool = True
     the tilings of tiling_levels (passes/tile.py) until a plan fits (`tiles`: that tiling alone, by
     chain name). "least": the lower of the untiled step's and the most tiled one's least peaks; a
     budget none reaches is refused with that least. A fraction is of the untiled no-remat peak."""
-    from autosp.passes.tile import find_chains, tile
+    from autosp.passes.tile import find_chains
     offload = dev.host_bw is not None
     chains = find_chains(local)
     if tiles is not None:
@@ -97,7 +126,7 @@ def _planned(local, memory_budget, dev, *, host_memory=None, refine: bool = True
     by_id = {c.id: c for c in chains}
 
     def at(ks, budget, search=True):
-        boundary, joint = joint_of(tile(local, ks, chains) if ks else local)
+        boundary, joint = joint_of(_tiled(local, ks, chains) if ks else local)
         plan, program = make_plan(joint, budget, dev, offload=offload, host_memory=host_memory, refine=refine,
                                   search=search)
         return _with_tiling(plan, ks, by_id), program, joint, boundary, ks

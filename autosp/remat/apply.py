@@ -58,10 +58,10 @@ def apply_plan(joint: Joint, saved, recomputed, offloaded=(), prefetch_lead: int
     for k, e in enumerate(kept):
         for x in e.inputs:
             last[x.name] = k
+    made = {o.name: k for k, e in enumerate(kept) for o in e.outputs}
     after: dict[int, list[str]] = {}
     for n in offloaded:
-        pos = max(last.get(n, -1), next(k for k, e in enumerate(kept) if any(o.name == n for o in e.outputs)))
-        after.setdefault(pos, []).append(n)
+        after.setdefault(max(last.get(n, -1), made[n]), []).append(n)
     eqns, host_vars = [], {}
     for k, e in enumerate(kept):
         eqns.append(e)
@@ -112,16 +112,17 @@ def apply_plan(joint: Joint, saved, recomputed, offloaded=(), prefetch_lead: int
         available.update(o.name for o in e.outputs)
     # prefetches: issue `prefetch_lead` equations ahead of first use, wait right before it
     issue: dict[int, list[str]] = {}
+    waits: dict[int, list[str]] = {}
     for n, j in first_need.items():
         issue.setdefault(max(0, j - prefetch_lead), []).append(n)
+        waits.setdefault(j, []).append(n)
     final: list[Eqn] = []
     for j, e in enumerate(bwd + [None]):
         for n in issue.get(j, ()):
             h = host_vars[n]
             final.append(Eqn.make(op_for(O.prefetch), (h,), {"device": var[n].device}, (var[n],)))
-        for n, jj in first_need.items():
-            if jj == j:
-                final.append(Eqn.make(op_for(O.wait), (var[n],), {}, ()))
+        for n in waits.get(j, ()):
+            final.append(Eqn.make(op_for(O.wait), (var[n],), {}, ()))
         if e is not None:
             final.append(e)
     grads = g.outputs[joint.n_fwd_outputs:]

@@ -24,10 +24,12 @@ either independent of the sequence length L or proportional to it, and the execu
 depend on L, so for a fixed program the bytes live at each equation are affine in L, and the peak is
 the largest of those affine functions. Two meta traces (L1, L2) fix them exactly; the longest L is
 then solved for, per equation. That holds for every fixed program, a remat plan's too: the plan with
-the least peak found at L1 is replayed on the step traced at L2 (the same values saved, offloaded and
-recomputed) and the one found at L2 on the step at L1, so each plan's longest length is exact, and
-the row is the longer of the two. Only peaks are asked for (the least-peak search without the
-cheapest-plan solve after it), so the row's traffic is that plan's, not the cheapest's.
+the least peak found at L2 is replayed on the step traced at L1 (the same values saved, offloaded and
+recomputed), so its longest length is exact. Only peaks are asked for (the least-peak search without the
+cheapest-plan solve after it), so the row's traffic is that plan's, not the cheapest's. Each program
+is differentiated once, at one of the two lengths; its joint at the other is re-instantiated from it
+(passes/rescale.py: the sizes that move between the two forward traces moved, each equation checked on
+fake tensors), which costs a fraction of differentiating again.
 """
 from __future__ import annotations
 
@@ -184,29 +186,6 @@ class Probe:
     method: str = "ILP"     # how that plan was found (Plan.method)
 
 
-def _no_sp_at(tracer, length: int, device: str, claim) -> tuple | None:
-    """(no-remat profile, signature) of the no-SP program at `length`, if `claim()` gives this process
-    the job (the two probe processes take it from each other: whichever is free first)."""
-    if not claim():
-        return None
-    from autosp.remat import joint_of
-    single = tracer.single(length)
-    return _no_remat(single, device), signature(joint_of(single)[1].graph)
-
-
-def _claimer(path: str):
-    """claim() -> True for the first process that asks (an exclusive create of `path`), False after."""
-    import os
-
-    def claim() -> bool:
-        try:
-            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            return True
-        except FileExistsError:
-            return False
-    return claim
-
-
 def _deepest(local, tiled: bool = True):
     """(chains, Chain.id -> k) of the tiling the probes plan with: every chain in as many tiles as lower its
     peak (tiling_levels' deepest; passes/tile.py's chains scale alike with the length); none if not `tiled`."""
@@ -216,67 +195,67 @@ def _deepest(local, tiled: bool = True):
     return chains, (tiling_levels(chains)[-1] if tiled else {})
 
 
-def probe_short(tracer, l1: int, l2: int, device: str, tiled: bool = True, claim=None):
-    """The no-remat programs (no SP and SP) at l1, and the SP step at l1, on which the plan found at l2 is
-    replayed."""
+def probe_short(tracer, l1: int, l2: int, device: str):
+    """The no-remat programs (no SP and SP) at both lengths. Each is differentiated once, at l1; at l2
+    its joint is re-instantiated (remat.joint_of, passes/rescale.py), which costs a fraction of it."""
     from autosp.remat import joint_of
-    p = tracer.trace(l1)
-    profiles = {("nosp", l1): _no_remat(p.single, device), ("sp", l1): _no_remat(p.local, device)}
-    # the tiling the least-peak search takes at l2, differentiated here while the other process searches:
-    # the replay finds it cached
-    from autosp.passes.tile import tile
-    chains, deepest = _deepest(p.local, tiled)
-    if deepest:
-        joint_of(tile(p.local, deepest, chains))
-    return profiles, p.local, signature(joint_of(p.single)[1].graph), _no_sp_at(tracer, l2, device, claim)
+    profiles, joints = {}, {}
+    for length in (l1, l2):
+        p = tracer.trace(length)
+        for key, graph in (("nosp", p.single), ("sp", p.local)):
+            profiles[(key, length)] = _no_remat(graph, device)
+            joints[(key, length)] = joint_of(graph)[1]
+    for key in ("nosp", "sp"):
+        check_affine(signature(joints[(key, l1)].graph), l1, signature(joints[(key, l2)].graph), l2)
+    return profiles
 
 
 def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory: int | None = None,
-               fit=None, tiled: bool = True, claim=None):
-    """The no-remat programs (no SP and SP) at l2, and the plan with the least peak found there (its
-    tiling of the position-wise chains included): its price and its decisions (saved, recomputed, offloaded), to be
-    replayed at l1. With offload under a host capacity the least-peak plan would fill the host at l2
-    and leave no room for longer lengths: here the step at l1 is traced too, each plan is priced at
-    both lengths, and the host capacity it plans under at l2 is scaled by l2 / the length it reaches
-    (`fit(priced) -> length`), for a few rounds; the longest wins."""
+               fit=None, tiled: bool = True):
+    """The plan with the least peak found at l2 (its tiling of the position-wise chains included),
+    replayed on the step at l1 (the same values saved, recomputed and offloaded): its price at both
+    lengths. With offload under a host capacity the least-peak plan would
+    fill the host at l2 and leave no room for longer lengths: each plan is priced at both lengths, and
+    the host capacity it plans under at l2 is scaled by l2 / the length it reaches (`fit(priced) ->
+    length`), for a few rounds; the longest wins."""
     from autosp.remat import _recomputed, plan_step
     p = tracer.trace(l2, single=False)
-    profile = {("sp", l2): _no_remat(p.local, device)}
+    local1 = tracer.trace(l1, single=False).local
 
     chains, deepest = _deepest(p.local, tiled)
     deep = {c.name: deepest[c.id] for c in chains if c.id in deepest}
+    tried = []
 
     def least(cap):
         plan, program, joint, _ = plan_step(p.local, "least", device=device, offload=offload, refine=False,
                                             host_memory=cap, tiles=deep)
         decisions = (program.saved, _recomputed(joint, program), program.offloaded)
         tiles = {name: k for name, k, _, _ in plan.tiling}
-        return ((plan.peak_bytes, plan.offload_seconds, plan.tiling, plan.method), _priced(program, device),
-                decisions, tiles, signature(joint.graph))
+        priced1, joint1 = _replay(local1, decisions, tiles, device)
+        check_affine(signature(joint1.graph), l1, signature(joint.graph), l2)
+        out = ((plan.peak_bytes, plan.offload_seconds, plan.tiling, plan.method),
+               {l1: priced1, l2: _priced(program, device)}, decisions)
+        tried.append(((fit or (lambda _: 0))(out[1]), out))
+        return out
 
     if not (offload and host_memory and fit):
-        out = least(host_memory)
-        return (profile, _no_sp_at(tracer, l2, device, claim), *out)
-    local1 = tracer.trace(l1, single=False).local
-    tried = []
+        return least(host_memory)
 
-    def attempt(out):
-        priced1 = _replay(local1, out[2], out[3], device)[0]
-        length = fit({l1: priced1, l2: out[1]})
-        dev = (float(np.max(out[1][0])) - float(np.max(priced1[0]))) / (l2 - l1)    # device bytes per token
-        host = (out[1][2] - priced1[2]) / (l2 - l1)                                  # host bytes per token
-        tried.append((length, out))
-        return length, dev, host
+    def slopes(out):
+        (v1, _, h1), (v2, _, h2) = out[1][l1], out[1][l2]
+        dev = (float(np.max(v2)) - float(np.max(v1))) / (l2 - l1)    # device bytes per token
+        return dev, (h2 - h1) / (l2 - l1)                            # host bytes per token
 
     # A: nothing offloaded (the device alone, length L_A, d_A bytes per token). Offloading h bytes per
     # token lowers the device's to d(h); the longest length has the host full as the device is: with
     # d(h) on the line from A to a plan C that offloads (d_C, h_C), that is at L = L_A + H / h_C (1 - d_C
     # / d_A). A plan under the host capacity scaled to l2 / L at l2 fills the host at L: C first at twice
     # L_A, then at the length the line says
-    length_a, d_a, _ = attempt(least(0))
+    d_a, _ = slopes(least(0))
+    length_a = tried[0][0]
     target = 2 * max(length_a, l2)
     for _ in range(2):
-        _, d_c, h_c = attempt(least(int(host_memory * l2 / target)))
+        d_c, h_c = slopes(least(int(host_memory * l2 / target)))
         if h_c <= 0 or d_a <= 0 or d_c >= d_a:
             break
         nxt = length_a + host_memory / h_c * (1 - d_c / d_a)
@@ -284,11 +263,12 @@ def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory
             break
         target = nxt
     _, out = max(tried, key=lambda t: t[0])
-    return (profile, _no_sp_at(tracer, l2, device, claim), *out)
+    return out
 
 
 def _replay(local1, decisions, tiles, device):
-    """_priced of a plan made at another length (decisions, tiling by chain name) on the step `local1`."""
+    """_priced of a plan made at another length (decisions, tiling by chain name) on the step `local1`,
+    and that step's joint (re-instantiated from the other length's where it can be: remat.joint_of)."""
     from autosp.passes.tile import find_chains, tile
     from autosp.remat import _by_id, joint_of
     from autosp.remat.apply import apply_plan
@@ -345,29 +325,15 @@ def check_affine(a: list, l1: int, b: list, l2: int) -> None:
 
 def probe(tracer, l1: int, l2: int, device: str, offload: bool, parallel: bool = True,
           host_memory: int | None = None, fit=None, tiled: bool = True) -> Probe:
-    """Both probe lengths: the short one here, the long one (with the least-peak search, the slowest
-    part) in a forked process; the plan found at l2 is then replayed on the step at l1, so a fixed
-    program is priced at both lengths (its bytes are affine in the length). The no-SP program at l2
-    goes to whichever process is free first."""
-    import os
-    import tempfile
-    token = os.path.join(tempfile.mkdtemp(prefix="autosp-plan-"), "no-sp")
-    claim = _claimer(token)
-    try:
-        (profiles, local1, single1, mine), (profile2, theirs, (least, seconds, tiling, method), priced2, decisions,
-                                            tiles, sig2) = _both(
-            lambda: probe_short(tracer, l1, l2, device, tiled, claim),
-            lambda: probe_long(tracer, l1, l2, device, offload, host_memory, fit, tiled, claim), parallel)
-    finally:
-        if os.path.exists(token):
-            os.remove(token)
-        os.rmdir(os.path.dirname(token))
-    profiles.update(profile2)
-    profiles[("nosp", l2)], single2 = mine or theirs
-    replayed, joint1 = _replay(local1, decisions, tiles, device)
-    check_affine(signature(joint1.graph), l1, sig2, l2)
-    check_affine(single1, l1, single2, l2)
-    return Probe(profiles, least, {l1: replayed, l2: priced2}, decisions, seconds, tiling, method)
+    """Both probe lengths: the no-remat programs here, the least-peak search at l2 (the slowest part) and
+    its plan's replay on the step at l1 in a forked process, so that a fixed program is priced at both
+    lengths (its bytes are affine in the length). Each process differentiates each of its programs once,
+    at one length; the other length's joint is re-instantiated (remat.joint_of)."""
+    profiles, (found, priced, decisions) = _both(
+        lambda: probe_short(tracer, l1, l2, device),
+        lambda: probe_long(tracer, l1, l2, device, offload, host_memory, fit, tiled), parallel)
+    least, seconds, tiling, method = found
+    return Probe(profiles, least, priced, decisions, seconds, tiling, method)
 
 
 def _both(first, second, parallel: bool = True):

@@ -1,0 +1,223 @@
+"""A joint program at another sequence length, without differentiating it again.
+
+    joint_b = rescale(joint_a, step_a, step_b)   # step_b: the forward step_a traced at another length
+
+Differentiating (make_fx over the forward and torch.autograd.grad) is the slow part of planning: 7 s
+for an 8B Llama's step, 12-16 s with its position-wise chains tiled, and `autosp plan` needs every
+program at two lengths. But two traces of one step at two lengths are one program whose sizes differ
+(the planner's affine model rests on it), and so are their backwards. So the joint is traced once and
+re-instantiated: every size that moves between the two forwards (L, L / P, a tile's L / Pk, ...) is
+moved in the joint's shapes and arguments, and each equation is run on fake tensors at the new sizes,
+which gives its outputs' shapes and checks that it accepts its arguments.
+
+It is exact or it refuses (`RescaleError`; the caller differentiates instead): an int means one thing
+everywhere. A size that moves must never also appear where it stays (hidden 4096 = L / P 4096 at one
+length), no argument the joint reads unmoved may later turn out to move, and the joint's outputs must
+come out with the forward's outputs' and the parameters' shapes. The tests hold rescaled joints equal,
+equation for equation, to joints differentiated at the other length.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
+
+from autosp.errors import AutospError
+from autosp.ir.core import Graph, In, Var
+
+
+class RescaleError(AutospError):
+    """The two forwards are not one program at two lengths, or a size is ambiguous."""
+
+
+class Sizes:
+    """Which ints move between two instances of one program, and which stay (each int one meaning)."""
+
+    def __init__(self):
+        self.moved: dict[int, int] = {}
+        self.kept: set[int] = set()
+
+    def pair(self, x: int, y: int, where) -> None:
+        if x == y:
+            if x in self.moved:
+                raise RescaleError(f"rescale: {x} both moves (to {self.moved[x]}) and stays ({where()})")
+            self.kept.add(x)
+        elif x in self.kept or self.moved.setdefault(x, y) != y:
+            raise RescaleError(f"rescale: {x} moves to {y} and {'stays' if x in self.kept else self.moved[x]} "
+                               f"({where()})")
+
+    def shapes(self, a: tuple, b: tuple, where) -> None:
+        if len(a) != len(b):
+            raise RescaleError(f"rescale: rank differs, {list(a)} vs {list(b)} ({where()})")
+        for x, y in zip(a, b):
+            self.pair(x, y, where)
+
+    def move(self, x):
+        """An argument at the other length: ints (not bools) that move are moved; the others are
+        recorded as staying, so that a later output cannot make them move."""
+        if isinstance(x, float) and x.is_integer() and int(x) in self.moved:
+            raise RescaleError(f"rescale: the float {x} is a size that moves; whether it moves cannot be told")
+        if isinstance(x, bool) or not isinstance(x, int):
+            return x
+        if x in self.moved:
+            return self.moved[x]
+        self.kept.add(x)
+        return x
+
+
+    def position(self, p):
+        """A position along a dimension (a slice's start or end): a multiple of a size that moves (a tile's
+        offset, j tiles in) moves with it; a constant offset (a label shift's 1) stays."""
+        if isinstance(p, bool) or not isinstance(p, int) or p in self.kept or abs(p) >= 2**62:
+            return self.move(p)
+        if p in self.moved:
+            return self.moved[p]
+        found = {p // u * v for u, v in self.moved.items() if u > 1 and p % u == 0}
+        if len(found) > 1:
+            raise RescaleError(f"rescale: the position {p} is a multiple of sizes that move differently "
+                               f"(to {sorted(found)})")
+        if found:
+            self.moved[p] = found.pop()
+        return self.move(p)
+
+
+# ops whose position arguments move in proportion to the sizes they are multiples of
+aten = torch.ops.aten
+_POSITIONS = {aten.slice.Tensor: ("start", "end"), aten.slice_backward.default: ("start", "end"),
+              aten.narrow.default: ("start", "length"), aten.slice_scatter.default: ("start", "end")}
+
+
+def _move_args(e, sizes: Sizes):
+    """The equation's (args, kwargs) at the other length."""
+    names = _POSITIONS.get(e.op.target, ())
+    schema = [a.name for a in e.op.target._schema.arguments] if names else []
+    leaf = lambda x: isinstance(x, In)      # noqa: E731
+    args = tuple(sizes.position(x) if i < len(schema) and schema[i] in names
+                 else pytree.tree_map(sizes.move, x, is_leaf=leaf) for i, x in enumerate(e.args))
+    kwargs = tuple((k, sizes.position(x) if k in names else pytree.tree_map(sizes.move, x, is_leaf=leaf))
+                   for k, x in e.kwargs)
+    return args, kwargs
+
+
+def _ints(tree) -> list:
+    leaves = pytree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, In))
+    return [x for x in leaves if isinstance(x, (int, float)) and not isinstance(x, bool)]
+
+
+def size_map(a: Graph, b: Graph) -> Sizes:
+    """The sizes of two traces of one forward: what moves (a's int -> b's) and what stays. Refused
+    unless both are the same program (ops, argument structure, ranks) with every int one meaning."""
+    sizes = Sizes()
+    if len(a.inputs) != len(b.inputs) or len(a.eqns) != len(b.eqns) or len(a.consts) != len(b.consts):
+        raise RescaleError(f"rescale: {a.name} and {b.name} are different programs "
+                           f"({len(a.eqns)} and {len(b.eqns)} equations)")
+    for va, vb in zip((*a.inputs, *(v for v, _ in a.consts)), (*b.inputs, *(v for v, _ in b.consts))):
+        sizes.shapes(va.shape, vb.shape, lambda: f"input {va}")
+    for k, (ea, eb) in enumerate(zip(a.eqns, b.eqns)):
+        where = lambda: f"equation {k}, {ea.format()}"      # noqa: E731 - formatted only on failure
+        if ea.op.name != eb.op.name or len(ea.outputs) != len(eb.outputs):
+            raise RescaleError(f"rescale: equation {k} is {ea.op.name} in one trace, {eb.op.name} in the other")
+        for oa, ob in zip(ea.outputs, eb.outputs):
+            sizes.shapes(oa.shape, ob.shape, where)
+        xa, xb = _ints((ea.args, ea.kwargs)), _ints((eb.args, eb.kwargs))
+        if len(xa) != len(xb):
+            raise RescaleError(f"rescale: the arguments of equation {k} differ in structure ({where()})")
+        for x, y in zip(xa, xb):
+            if isinstance(x, float) or isinstance(y, float):
+                if x != y:
+                    raise RescaleError(f"rescale: a float argument moves, {x} -> {y} ({where()})")
+                continue
+            sizes.pair(x, y, where)
+    return sizes
+
+
+def reinstantiate(g: Graph, sizes: Sizes, input_shapes, consts) -> Graph:
+    """`g` with the sizes that move moved: every equation run on fake tensors at the new sizes (its
+    arguments moved, its outputs' shapes taken from the run, each checked against `sizes`).
+    `input_shapes`: the inputs' shapes at the new sizes (None: moved from the traced ones); `consts`:
+    the constants' tensors at the new sizes (None: the traced ones, which must not move)."""
+    env: dict[str, torch.Tensor] = {}
+    new: dict[str, Var] = {}
+
+    def at(v: Var, shape) -> Var:
+        sizes.shapes(v.shape, tuple(shape), lambda: f"value {v}")
+        out = v if tuple(shape) == v.shape else dataclasses.replace(v, shape=tuple(shape))
+        new[v.name] = out
+        return out
+
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    new_consts = []
+    with mode:
+        inputs = []
+        for k, v in enumerate(g.inputs):
+            shape = tuple(sizes.move(d) for d in v.shape) if input_shapes is None else tuple(input_shapes[k])
+            env[v.name] = torch.empty(shape, dtype=v.dtype, device=v.device)
+            inputs.append(at(v, shape))
+        for k, (v, t) in enumerate(g.consts):
+            t = t if consts is None or k >= len(consts) else consts[k]
+            env[v.name] = torch.empty(t.shape, dtype=v.dtype, device=v.device)
+            new_consts.append((at(v, t.shape), t))
+        eqns = []
+        for k, e in enumerate(g.eqns):
+            args, kwargs = _move_args(e, sizes)
+            moved = e.replace(args=args, kwargs=kwargs)
+            bound_args, bound_kwargs = moved.bind([env[x.name] for x in e.inputs])
+            try:
+                out = e.op.target(*bound_args, **bound_kwargs)
+            except Exception as exc:  # noqa: BLE001 - any failure means: trace instead
+                raise RescaleError(f"rescale: equation {k} fails at the other length, {e.format()}: "
+                                   f"{type(exc).__name__}: {str(exc)[:200]}") from None
+            outs = list(out) if e.multi else [out] if e.outputs else []
+            vars_out = []
+            for v, x in zip(e.outputs, outs):
+                if isinstance(x, torch.Tensor):
+                    if x.dtype != v.dtype:
+                        raise RescaleError(f"rescale: equation {k} gives {x.dtype}, traced {v.dtype}")
+                    vars_out.append(at(v, x.shape))
+                else:
+                    vars_out.append(v)
+                env[v.name] = x
+            eqns.append(moved.replace(inputs=tuple(new[x.name] for x in e.inputs), outputs=tuple(vars_out)))
+    outputs = tuple(new[o.name] if isinstance(o, Var) else o for o in g.outputs)
+    return g.replace(inputs=tuple(inputs), eqns=tuple(eqns), outputs=outputs, consts=tuple(new_consts))
+
+
+def rescale(joint, step_a: Graph, step_b: Graph):
+    """`joint` (autodiff.Joint, the differentiation of `step_a`) as the differentiation of `step_b`,
+    the same forward traced at another length. Raises RescaleError where that cannot be shown."""
+    from autosp.passes.autodiff import Joint
+    sizes = size_map(step_a, step_b)
+    # the forward's constants are step_b's; those the trace lifted must not depend on the length
+    g = reinstantiate(joint.graph, sizes, None, [t for _, t in step_b.consts])
+    # the forward's outputs are step_b's, the gradients their parameters' shapes
+    for o, want in zip(g.outputs, step_b.outputs):
+        if isinstance(o, Var) and o.shape != want.shape:
+            raise RescaleError(f"rescale: forward output {o} comes out {list(o.shape)}, traced {list(want.shape)}")
+    for o, i in zip(g.outputs[joint.n_fwd_outputs:], joint.diff_inputs):
+        if isinstance(o, Var) and o.shape != g.inputs[i].shape:
+            raise RescaleError(f"rescale: the gradient {o} of input {i} is {list(o.shape)}, the input "
+                               f"{list(g.inputs[i].shape)}")
+    graph = g.replace(in_spec=step_b.in_spec, static_args=step_b.static_args, name="rescale")
+    return Joint(graph, joint.n_primals, joint.n_fwd_outputs, joint.boundary, joint.diff_inputs, joint.diff_outputs)
+
+
+def at_length(graph: Graph, input_shapes) -> Graph:
+    """A traced forward with its inputs at other shapes (the token ids at another length, the parameters
+    as they were): the same program, its sizes moved as the inputs' are. Raises RescaleError where that
+    cannot be shown (a size that also stays, an equation that refuses its moved arguments, a constant
+    whose shape would move)."""
+    sizes = Sizes()
+    for v, shape in zip(graph.inputs, input_shapes, strict=True):
+        sizes.shapes(v.shape, tuple(shape), lambda: f"input {v}")
+    for v, _ in graph.consts:
+        sizes.shapes(v.shape, v.shape, lambda: f"constant {v}")
+    return reinstantiate(graph, sizes, input_shapes, None).replace(name=graph.name)
+
+
+def program_key(graph: Graph) -> str:
+    """What two traces of one program at two lengths share: the printed graph without its numbers."""
+    import re
+    return re.sub(r"\d+", "", str(graph))
+

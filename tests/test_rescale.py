@@ -1,0 +1,110 @@
+"""A joint program re-instantiated at another sequence length (autosp/passes/rescale.py) is the joint
+differentiated at that length, equation for equation; where a size is ambiguous it is refused and the
+joint differentiated instead; and a step compiled at a second length from a rescaled joint is exact."""
+import pytest
+import torch
+
+import autosp
+from autosp.run.meshes import fake_world, planning_mesh
+from tests.dist import run_ranks
+from tests.models import assert_every_rank, rank_errors, reference
+
+
+def _graphs(s: int, sp: int = 2, hidden: int = 64, heads: int = 4, kv: int = 2, layers: int = 2, packed=False):
+    """(global, per-rank) graphs of a tiny Llama's loss at length s on a planning mesh of sp ranks."""
+    from tests.models import llama_loss, tiny_llama
+    model = tiny_llama(layers=layers, hidden=hidden, heads=heads, kv_heads=kv, vocab=256, device="meta")
+    params = {k: v.detach().requires_grad_(True) for k, v in model.named_parameters()}
+    ids = torch.zeros(1, s, dtype=torch.long, device="meta")
+    if not packed:
+        return autosp.shard(llama_loss(model), planning_mesh(sp)).graphs(params, ids, ids)
+
+    def loss(params, input_ids, labels, position_ids):           # two documents, positions restart
+        return torch.func.functional_call(model, params, (input_ids,),
+                                          {"labels": labels, "position_ids": position_ids}).loss
+    pos = torch.cat([torch.arange(s // 2), torch.arange(s - s // 2)]).reshape(1, s).to("meta")
+    return autosp.shard(loss, planning_mesh(sp)).graphs(params, ids, ids, pos)
+
+
+def _same(a, b) -> bool:
+    return str(a.graph).split("\n", 1)[1] == str(b.graph).split("\n", 1)[1] and a.boundary == b.boundary
+
+
+@pytest.mark.parametrize("case", ["sp2", "sp2-tiled", "no-sp", "ring", "packed"])
+def test_a_rescaled_joint_is_the_joint_differentiated_at_the_other_length(case):
+    from autosp.passes.autodiff import differentiate, split_boundary
+    from autosp.passes.rescale import rescale
+    from autosp.passes.tile import find_chains, tile
+    from autosp.remat import tiling_levels
+    sp = 8 if case == "ring" else 2                        # 4 heads over 8 ranks: all-to-all 4 x ring 2
+    with fake_world(sp):
+        steps = []
+        for s in (768, 1536):
+            g, local = _graphs(s, sp, packed=case == "packed")
+            graph = g if case == "no-sp" else local
+            if case == "sp2-tiled":
+                chains = find_chains(graph)
+                graph = tile(graph, tiling_levels(chains)[-1], chains)
+                assert "split_with_sizes" in str(graph)
+            steps.append(split_boundary(graph).graph)
+        a, b = steps
+        ja, jb = differentiate(a), differentiate(b)
+        jr = rescale(ja, a, b)
+        assert _same(jr, jb), case
+        assert jr.graph.name == "rescale"
+        assert _same(rescale(jb, b, a), ja), case            # and back down
+
+
+def test_rescale_refuses_an_ambiguous_size_and_joint_of_differentiates_instead():
+    from autosp.passes.autodiff import differentiate, split_boundary
+    from autosp.passes.rescale import RescaleError, rescale
+    from autosp.remat import _JOINTS, joint_of
+    with fake_world(2):
+        # at 128 tokens the length is also the MLP's width, and each rank's 64 the hidden size: which of
+        # them move cannot be told
+        a = split_boundary(_graphs(128)[1]).graph
+        b = split_boundary(_graphs(512)[1]).graph
+        with pytest.raises(RescaleError, match="(128|64) moves to .* and stays"):
+            rescale(differentiate(a), a, b)
+        # two different programs (2 and 3 layers) are refused as such
+        c = split_boundary(_graphs(512, layers=3)[1]).graph
+        with pytest.raises(RescaleError, match="different programs|equation"):
+            rescale(differentiate(b), b, c)
+        _JOINTS.clear()
+        joint_of(_graphs(128)[1])
+        got = joint_of(_graphs(512)[1])[1]
+        assert got.graph.name == "differentiate" and _same(got, differentiate(b))
+        # an unambiguous pair is rescaled by joint_of (at 512 each rank's 256 is the vocabulary too)
+        joint_of(_graphs(768)[1])
+        assert joint_of(_graphs(1536)[1])[1].graph.name == "rescale"
+
+
+def _two_lengths_job(rank, world):
+    """One process compiles the step at 322 tokens, then at 450 (both ragged over 4 ranks: chunks of 81 and
+    113, padded to 324 and 452): the second joint is the first re-instantiated; both lengths run exactly
+    against the single device, with and without a memory budget."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from autosp.remat import _JOINTS
+    from tests.models import batch, llama_loss, params_of, tiny_llama
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
+    torch.manual_seed(0)
+    model = tiny_llama(layers=2, hidden=64, heads=4, kv_heads=2, vocab=128)
+    fn, params = llama_loss(model), params_of(model)
+    _JOINTS.clear()
+    out = {}
+    for budget in (None, 0.8):
+        vg = autosp.value_and_grad(fn, mesh, memory_budget=budget)
+        for s in (322, 450):
+            ids, labels = batch(1, s, 128, pad=3)
+            ref_loss, ref_grads = reference(fn, params, ids, labels)
+            loss, grads = vg(params, ids, labels)
+            out[f"s={s} budget={budget}"] = rank_errors(loss, grads, ref_loss, ref_grads)
+    names = sorted({j.graph.name for _, j, _ in _JOINTS.values()})
+    return out, names
+
+
+def test_a_step_compiled_at_a_second_length_from_a_rescaled_joint_is_exact():
+    results = run_ranks(_two_lengths_job, 4)
+    assert_every_rank([r for r, _ in results])
+    for _, names in results:
+        assert "rescale" in names, names
