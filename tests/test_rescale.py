@@ -108,3 +108,18 @@ def test_a_step_compiled_at_a_second_length_from_a_rescaled_joint_is_exact():
     assert_every_rank([r for r, _ in results])
     for _, names in results:
         assert "rescale" in names, names
+
+
+def test_a_count_or_scale_new_to_the_forwards_is_refused():
+    """An int the backward makes from a size that moves (a mean's element count, L / P x 64) or a float that
+    is one or its inverse would stay where it should move: a wrong value, not a wrong shape."""
+    from autosp.passes.rescale import RescaleError, Sizes
+    sizes = Sizes()
+    sizes.shapes((1, 768, 64), (1, 1536, 64), lambda: "x")
+    sizes.freeze()
+    assert sizes.move(768) == 1536 and sizes.move(64) == 64 and sizes.move(-1) == -1 and sizes.move(0) == 0
+    assert sizes.move(1 / 64) == 1 / 64 and sizes.move(1e-5) == 1e-5
+    assert sizes.position(2 * 768) == 2 * 1536 and sizes.position(1) == 1      # a tile's offset, a shift
+    for bad in (768 * 64, 768.0, 1 / (768 * 64)):
+        with pytest.raises(RescaleError, match="cannot be told"):
+            sizes.move(bad)

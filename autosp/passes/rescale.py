@@ -38,6 +38,17 @@ class Sizes:
     def __init__(self):
         self.moved: dict[int, int] = {}
         self.kept: set[int] = set()
+        self.known: set[int] | None = None      # the ints the forwards showed (set by freeze())
+
+    def freeze(self) -> None:
+        """From here on an int neither forward showed must not be a product of a size that moves (a
+        mean's element count, L / P x 4096, would stay where it should move: a wrong value, not a wrong
+        shape)."""
+        self.known = set(self.moved) | set(self.kept)
+
+    def _product(self, n: int) -> bool:
+        n = abs(n)
+        return n > 0 and any(u > 1 and n != u and n % u == 0 for u in self.moved)
 
     def pair(self, x: int, y: int, where) -> None:
         if x == y:
@@ -56,16 +67,23 @@ class Sizes:
 
     def move(self, x):
         """An argument at the other length: ints (not bools) that move are moved; the others are
-        recorded as staying, so that a later output cannot make them move."""
-        if isinstance(x, float) and x.is_integer() and int(x) in self.moved:
-            raise RescaleError(f"rescale: the float {x} is a size that moves; whether it moves cannot be told")
+        recorded as staying, so that a later output cannot make them move. Refused: a float that is a
+        size that moves or its inverse (a count as a scale), and an int new to the forwards that is a
+        multiple of a size that moves."""
+        if isinstance(x, float) and x not in (0.0, float("inf"), float("-inf")) and x == x:
+            n = abs(x) if abs(x) >= 1 else 1 / abs(x)
+            if abs(n - round(n)) <= 1e-9 * n and (round(n) in self.moved or self._product(round(n))):
+                raise RescaleError(f"rescale: the float {x} is a size that moves, a multiple or an inverse of "
+                                   "one; whether it moves cannot be told")
         if isinstance(x, bool) or not isinstance(x, int):
             return x
         if x in self.moved:
             return self.moved[x]
+        if self.known is not None and x not in self.known and self._product(x):
+            raise RescaleError(f"rescale: {x} is a multiple of a size that moves and new to the forward traces; "
+                               "whether it moves cannot be told")
         self.kept.add(x)
         return x
-
 
     def position(self, p):
         """A position along a dimension (a slice's start or end): a multiple of a size that moves (a tile's
@@ -189,7 +207,10 @@ def rescale(joint, step_a: Graph, step_b: Graph):
     the same forward traced at another length. Raises RescaleError where that cannot be shown."""
     from autosp.passes.autodiff import Joint
     sizes = size_map(step_a, step_b)
-    # the forward's constants are step_b's; those the trace lifted must not depend on the length
+    sizes.freeze()
+    if len(joint.graph.consts) > len(step_a.consts):
+        raise RescaleError("rescale: the joint holds constants its trace made, whose values may depend on the "
+                           "length where their shapes do not")
     g = reinstantiate(joint.graph, sizes, None, [t for _, t in step_b.consts])
     # the forward's outputs are step_b's, the gradients their parameters' shapes
     for o, want in zip(g.outputs, step_b.outputs):
