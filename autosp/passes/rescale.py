@@ -13,8 +13,16 @@ which gives its outputs' shapes and checks that it accepts its arguments.
 It is exact or it refuses (`RescaleError`; the caller differentiates instead): an int means one thing
 everywhere. A size that moves must never also appear where it stays (hidden 4096 = L / P 4096 at one
 length), no argument the joint reads unmoved may later turn out to move, and the joint's outputs must
-come out with the forward's outputs' and the parameters' shapes. The tests hold rescaled joints equal,
-equation for equation, to joints differentiated at the other length.
+come out with the forward's outputs' and the parameters' shapes. What shapes cannot show is refused
+outright: an int new to the forwards that is a multiple of a size that moves (a mean's element count),
+a float that is such a size or its inverse, and constants the joint's trace made itself. A slice's
+start and end that are multiples of a size that moves (a tile's offset) move with it. The tests hold
+rescaled joints equal, equation for equation, to joints differentiated at the other length, and run a
+step compiled from a rescaled joint against the single device.
+
+Only the backward is re-instantiated: the forward traces at both lengths are what the size map is read
+from. A forward alone cannot tell its sizes apart (shard_slice's chunk L / P first appears as an
+argument; a layout's valid length L - 1 appears in no shape).
 """
 from __future__ import annotations
 
@@ -56,8 +64,8 @@ class Sizes:
                 raise RescaleError(f"rescale: {x} both moves (to {self.moved[x]}) and stays ({where()})")
             self.kept.add(x)
         elif x in self.kept or self.moved.setdefault(x, y) != y:
-            raise RescaleError(f"rescale: {x} moves to {y} and {'stays' if x in self.kept else self.moved[x]} "
-                               f"({where()})")
+            other = "stays" if x in self.kept else f"to {self.moved[x]}"
+            raise RescaleError(f"rescale: {x} moves to {y} and {other} ({where()})")
 
     def shapes(self, a: tuple, b: tuple, where) -> None:
         if len(a) != len(b):
@@ -151,11 +159,10 @@ def size_map(a: Graph, b: Graph) -> Sizes:
     return sizes
 
 
-def reinstantiate(g: Graph, sizes: Sizes, input_shapes, consts) -> Graph:
-    """`g` with the sizes that move moved: every equation run on fake tensors at the new sizes (its
-    arguments moved, its outputs' shapes taken from the run, each checked against `sizes`).
-    `input_shapes`: the inputs' shapes at the new sizes (None: moved from the traced ones); `consts`:
-    the constants' tensors at the new sizes (None: the traced ones, which must not move)."""
+def reinstantiate(g: Graph, sizes: Sizes, consts) -> Graph:
+    """`g` with the sizes that move moved: its inputs' shapes moved, every equation run on fake tensors at
+    the new sizes (its arguments moved, its outputs' shapes taken from the run, each checked against
+    `sizes`). `consts`: the first constants' tensors at the new sizes (the rest must not move)."""
     env: dict[str, torch.Tensor] = {}
     new: dict[str, Var] = {}
 
@@ -169,12 +176,12 @@ def reinstantiate(g: Graph, sizes: Sizes, input_shapes, consts) -> Graph:
     new_consts = []
     with mode:
         inputs = []
-        for k, v in enumerate(g.inputs):
-            shape = tuple(sizes.move(d) for d in v.shape) if input_shapes is None else tuple(input_shapes[k])
+        for v in g.inputs:
+            shape = tuple(sizes.move(d) for d in v.shape)
             env[v.name] = torch.empty(shape, dtype=v.dtype, device=v.device)
             inputs.append(at(v, shape))
         for k, (v, t) in enumerate(g.consts):
-            t = t if consts is None or k >= len(consts) else consts[k]
+            t = consts[k] if k < len(consts) else t
             env[v.name] = torch.empty(t.shape, dtype=v.dtype, device=v.device)
             new_consts.append((at(v, t.shape), t))
         eqns = []
@@ -211,7 +218,7 @@ def rescale(joint, step_a: Graph, step_b: Graph):
     if len(joint.graph.consts) > len(step_a.consts):
         raise RescaleError("rescale: the joint holds constants its trace made, whose values may depend on the "
                            "length where their shapes do not")
-    g = reinstantiate(joint.graph, sizes, None, [t for _, t in step_b.consts])
+    g = reinstantiate(joint.graph, sizes, [t for _, t in step_b.consts])
     # the forward's outputs are step_b's, the gradients their parameters' shapes
     for o, want in zip(g.outputs, step_b.outputs):
         if isinstance(o, Var) and o.shape != want.shape:
@@ -224,21 +231,9 @@ def rescale(joint, step_a: Graph, step_b: Graph):
     return Joint(graph, joint.n_primals, joint.n_fwd_outputs, joint.boundary, joint.diff_inputs, joint.diff_outputs)
 
 
-def at_length(graph: Graph, input_shapes) -> Graph:
-    """A traced forward with its inputs at other shapes (the token ids at another length, the parameters
-    as they were): the same program, its sizes moved as the inputs' are. Raises RescaleError where that
-    cannot be shown (a size that also stays, an equation that refuses its moved arguments, a constant
-    whose shape would move)."""
-    sizes = Sizes()
-    for v, shape in zip(graph.inputs, input_shapes, strict=True):
-        sizes.shapes(v.shape, tuple(shape), lambda: f"input {v}")
-    for v, _ in graph.consts:
-        sizes.shapes(v.shape, v.shape, lambda: f"constant {v}")
-    return reinstantiate(graph, sizes, input_shapes, None).replace(name=graph.name)
-
-
-def program_key(graph: Graph) -> str:
-    """What two traces of one program at two lengths share: the printed graph without its numbers."""
+def program_key(printed: str) -> str:
+    """What two traces of one program at two lengths share: the printed graph (str(graph)) without its
+    numbers."""
     import re
-    return re.sub(r"\d+", "", str(graph))
+    return re.sub(r"\d+", "", printed)
 
