@@ -381,7 +381,7 @@ def test_plan_orders_the_three_configurations(model):
 def test_a_plan_priced_at_two_lengths_is_exact_at_a_third():
     # `autosp plan` prices one remat plan at two lengths and solves for the longest: a fixed program's bytes
     # at every point are affine in the length. Replayed at a third length, the simulated step says the same
-    # to the byte; a value whose two sizes both grow (bytes quadratic in the length) is refused.
+    # to the byte, and the cost model's step time to 1e-9; a value whose two sizes both grow (bytes quadratic in the length) is refused.
     from autosp.passes.tile import find_chains, tile
     from autosp.remat import _by_id, joint_of, simulate_step
     from autosp.remat.apply import apply_plan
@@ -400,6 +400,12 @@ def test_a_plan_priced_at_two_lengths_is_exact_at_a_third():
         assert np.array_equal(aff.a + aff.b * l3, values)
         assert aff.peak(l3) == simulate_step(third, "cpu").peak
         assert q.decisions[1], "the least-peak plan recomputes nothing: the test would not test a plan"
+        # and its step time: FLOPs a power of the length per equation (attention's L^2), bytes affine
+        from autosp.remat.cost import device_for, eqn_cost
+        from autosp.run.plan import step_seconds
+        want = sum(eqn_cost(e, device_for("cpu")).seconds for g in (third.forward, third.backward) for e in g.eqns)
+        got = step_seconds(q.plan[l1][3], l1, q.plan[l2][3], l2, l3, "cpu")
+        assert abs(got - want) <= 1e-9 * want, (got, want)
     with pytest.raises(AutospError, match=r"a value of mul has shape \[4, 4\] at 4 tokens and \[8, 8\] at 8"):
         check_affine([("mul", ((4, 4),))], 4, [("mul", ((8, 8),))], 8)
 

@@ -98,7 +98,7 @@ def ring_size(e: Eqn) -> int:
         return -(-valid // s)
 
 
-def _ring_cost(e: Eqn, device: Device) -> Cost:
+def _ring_terms(e: Eqn, device: Device) -> tuple[float, float, float, float]:
     # this rank's queries against every key of the ring (causal: half of the pairs), and (R-1) K/V blocks
     # over the link (the backward: K/V and their fp32 gradients)
     fwd = e.op.name in RING_FORWARD
@@ -109,22 +109,37 @@ def _ring_cost(e: Eqn, device: Device) -> Cost:
     full = 2 * b * q.shape[-2] * r * k.shape[-2] * (q.shape[-1] + v.shape[-1])
     f = (full // 2 if causal else full) * (1 if fwd else 3)     # the backward: about 3x the forward
     sent = (r - 1) * (k.nbytes() + v.nbytes()) * (1 if fwd else 3)
-    return Cost(int(f), device.launch * r + f / device.flops + sent / device.link_bw)
+    return device.launch * r, float(int(f)), 0.0, float(sent)
 
 
-def eqn_cost(e: Eqn, device: Device) -> Cost:
+def eqn_terms(e: Eqn, device: Device) -> tuple[float, float, float, float]:
+    """(fixed seconds, FLOPs, bytes through memory, bytes over the links) of an equation: its seconds are
+    fixed + max(FLOPs / flops, memory bytes / mem_bw) + link bytes / link_bw (`terms_seconds`). Apart, so that
+    `autosp plan` can carry each term to another length by how it grows (FLOPs as a power of L, bytes
+    affinely)."""
     if e.op.name in RING_OPS:
-        return _ring_cost(e, device)
+        return _ring_terms(e, device)
     if e.op.has(Tag.COLLECTIVE) or e.op.name in ("all_to_all", "all_reduce_sum", "all_gather_seq"):
         # the whole tensor crosses the links: a gather's output, a reduce-scatter's input
         moved = _bytes(e.inputs) if e.op.name == "reduce_scatter_param" else _bytes(e.outputs)
-        return Cost(0, device.latency + moved / device.link_bw)
-    f = flops(e)
-    moved = _bytes(e.inputs) + _bytes(e.outputs)
+        return device.latency, 0.0, 0.0, float(moved)
     from autosp.ir.aliases import aliases
     if all(a is not None for a in aliases(e)) and e.outputs:
-        return Cost(0, 0.0)                   # a view: free
-    return Cost(f, device.launch + max(f / device.flops, moved / device.mem_bw))
+        return 0.0, 0.0, 0.0, 0.0             # a view: free
+    return device.launch, float(flops(e)), float(_bytes(e.inputs) + _bytes(e.outputs)), 0.0
+
+
+def terms_seconds(fixed, f, mem, link, device: Device):
+    """Seconds of equations from their terms (floats or numpy arrays alike)."""
+    import numpy as np
+    return fixed + np.maximum(f / device.flops, mem / device.mem_bw) + link / device.link_bw
+
+
+def eqn_cost(e: Eqn, device: Device) -> Cost:
+    fixed, f, mem, link = eqn_terms(e, device)
+    if not (f or mem or link or fixed):
+        return Cost(0, 0.0)
+    return Cost(int(f), fixed + max(f / device.flops, mem / device.mem_bw) + link / device.link_bw)
 
 
 _REGISTERED = []

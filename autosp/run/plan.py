@@ -161,17 +161,44 @@ def _profile(program, device: str) -> tuple[np.ndarray, int]:
 
 
 def _no_remat(graph, device: str):
-    """(values, shape hash, collective bytes) of a graph's no-remat step."""
+    """(values, shape hash, collective bytes, time terms) of a graph's no-remat step."""
     _, program = _step(graph, None, device)
     values, shape = _profile(program, device)
-    return values, shape, comm_bytes(program)
+    return values, shape, comm_bytes(program), _terms(program, device)
 
 
-def _priced(program, device: str) -> tuple[np.ndarray, tuple[int, int], int]:
-    """(values, collective bytes, offloaded bytes) of a plan's program."""
+def _priced(program, device: str) -> tuple[np.ndarray, tuple[int, int], int, np.ndarray]:
+    """(values, collective bytes, offloaded bytes, time terms) of a plan's program."""
     values, _ = _profile(program, device)
     made = {o.name: o for e in program.forward.eqns for o in e.outputs}
-    return values, comm_bytes(program), sum(made[n].nbytes() for n in program.offloaded if n in made)
+    return (values, comm_bytes(program), sum(made[n].nbytes() for n in program.offloaded if n in made),
+            _terms(program, device))
+
+
+def _terms(program, device: str) -> np.ndarray:
+    """The cost model's terms (remat.cost.eqn_terms) of every equation of the step, forward then backward."""
+    from autosp.remat.cost import device_for, eqn_terms
+    dev = device_for(device)
+    return np.asarray([eqn_terms(e, dev) for g in (program.forward, program.backward) for e in g.eqns],
+                      dtype=np.float64).reshape(-1, 4)
+
+
+def step_seconds(t1: np.ndarray, l1: int, t2: np.ndarray, l2: int, length: int, device: str) -> float:
+    """The cost model's seconds of a fixed program's step at `length`, from its terms at l1 and l2: each
+    equation's FLOPs are constant (a parameter's) or a L^2 + b L without a constant (a matmul's b L, causal
+    attention's L (L + 1) / 2 per head), its bytes through memory and over the links affine in the length, its
+    fixed seconds constant."""
+    from autosp.remat.cost import device_for, terms_seconds
+    fixed, f1, m1, k1 = t1.T
+    _, f2, m2, k2 = t2.T
+    # f / L = a L + b is affine in L
+    g1, g2 = f1 / l1, f2 / l2
+    grown = (g2 - g1) / (l2 - l1) * (length - l1) + g1
+    f = np.where(f1 == f2, f1, grown * length)
+
+    def affine(a, b):
+        return a + (b - a) / (l2 - l1) * (length - l1)
+    return float(np.sum(terms_seconds(fixed, f, affine(m1, m2), affine(k1, k2), device_for(device))))
 
 
 @dataclass
@@ -242,7 +269,7 @@ def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory
         return least(host_memory)
 
     def slopes(out):
-        (v1, _, h1), (v2, _, h2) = out[1][l1], out[1][l2]
+        (v1, _, h1, _), (v2, _, h2, _) = out[1][l1], out[1][l2]
         dev = (float(np.max(v2)) - float(np.max(v1))) / (l2 - l1)    # device bytes per token
         return dev, (h2 - h1) / (l2 - l1)                            # host bytes per token
 
@@ -445,6 +472,10 @@ def _guess(cfg, avail: float, dtype, sp: int, batch: int) -> float:
     return max(0.0, avail) / per_token
 
 
+def _secs(x: float) -> str:
+    return f"{x * 1e3:.3g} ms" if x < 1 else f"{x:.3g} s"
+
+
 def _rounded(x: float, step: int) -> int:
     return int(x // step) * step
 
@@ -456,6 +487,7 @@ class Row:
     peak: float | None              # the step's peak at that length (per rank)
     comm: tuple[int, int] | None    # bytes sent per rank: (sequence collectives, parameter collectives)
     note: str = ""
+    seconds: float | None = None    # the cost model's step time at that length (remat.cost)
 
 
 def _line(a: float, l1: int, b: float, l2: int):
@@ -605,7 +637,7 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
 
         def plan_length(priced) -> int:
             """The longest length a plan priced at l1 and l2 fits: the device's bytes, and the host's."""
-            (va, _, ha), (vb, _, hb) = priced[l1], priced[l2]
+            (va, _, ha, _), (vb, _, hb, _) = priced[l1], priced[l2]
             length = Affine.fit(l1, va + tokens(l1), l2, vb + tokens(l2)).longest(avail, step)
             if host_rank is not None and hb > ha:       # the offloaded bytes grow too: the host caps the length
                 length = min(length, _line(ha, l1, hb, l2).longest(host_rank, step))
@@ -615,7 +647,7 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
 
         rows, models = [], {}
         for key, name in (("nosp", "no SP"), ("sp", f"SP={sp}, no remat")):
-            (v1, s1, c1), (v2, s2, c2) = q.profiles[(key, l1)], q.profiles[(key, l2)]
+            (v1, s1, c1, t1), (v2, s2, c2, t2) = q.profiles[(key, l1)], q.profiles[(key, l2)]
             if s1 != s2 or len(v1) != len(v2):
                 raise AutospError(f"autosp plan: {model}'s program differs between lengths {l1} and {l2}, so its "
                                   "memory cannot be solved for in closed form. Fix: plan with autosp.plan at the "
@@ -623,18 +655,19 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
             aff = models[key] = Affine.fit(l1, v1 + tokens(l1), l2, v2 + tokens(l2))
             length = aff.longest(avail, step)
             comm = tuple(int(_line(a, l1, b, l2).peak(length)) for a, b in zip(c1, c2)) if length else None
-            rows.append(Row(name, length, aff.peak(length) if length else None, comm))
+            rows.append(Row(name, length, aff.peak(length) if length else None, comm,
+                            seconds=step_seconds(t1, l1, t2, l2, length, device) if length else None))
 
         # SP with the ILP plan: the plan with the least peak found at l2, priced at both lengths, so its
         # longest length is solved for exactly
         floor_len = rows[1].length
-        (va, ca, ha), (vb, cb, hb) = q.plan[l1], q.plan[l2]
+        (va, ca, ha, ta), (vb, cb, hb, tb) = q.plan[l1], q.plan[l2]
         aff = Affine.fit(l1, va + tokens(l1), l2, vb + tokens(l2))
         length = plan_length(q.plan)
         name = f"SP={sp}, ILP plan (save/recompute{'/offload' if offload else ''})"
         if length <= floor_len:
             rows.append(Row(name, floor_len, rows[1].peak, rows[1].comm, "no plan found fits a longer length than "
-                                                                        "saving everything"))
+                                                                        "saving everything", rows[1].seconds))
         else:
             host_bytes = int(_line(ha, l1, hb, l2).peak(length))
             rows.append(Row(name, length, aff.peak(length),
@@ -645,7 +678,8 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
                             f"fits up to {length:,}"
                             + (f"; it tiles {', '.join(_tiled_names(q.tiling))}" if q.tiling else "")
                             + (f"; it offloads {fmt(host_bytes)} to host memory per rank" if host_bytes else "")
-                            + "; " + _held_back(aff, length, step, avail, host_bytes, host_rank, ha, hb, l1, l2)))
+                            + "; " + _held_back(aff, length, step, avail, host_bytes, host_rank, ha, hb, l1, l2),
+                            step_seconds(ta, l1, tb, l2, length, device)))
             host_line = _host_line(host, host_memory is not None, world, offload, host_bytes,
                                    q.offload_seconds * host_bytes / hb if hb else None, st.host)
     # replicated: the gradients are all-reduced after the step, by ring; sharded: reduce-scattered in it
@@ -668,6 +702,13 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
     if rows[1].length and rows[2].length:
         out.append(f"\nILP plan / SP without remat: {rows[2].length / rows[1].length:.2f}x the length"
                    + (f"; SP without remat / no SP: {rows[1].length / rows[0].length:.2f}x" if rows[0].length else ""))
+    timed = [f"{r.name} {_secs(r.seconds)} ({r.length / r.seconds:,.0f} tokens/s)" for r in rows if r.seconds]
+    if timed:
+        from autosp.remat.cost import device_for
+        d = device_for(device)
+        out.append(f"step time per rank at that length, the cost model's estimate ({device}: {d.flops / 1e12:g} TFLOP/s, "
+                   f"{d.mem_bw / 1e12:g} TB/s memory, {d.link_bw / 1e9:g} GB/s links; every equation of the step, "
+                   "recomputations included, one after another; host transfers overlap it): " + "; ".join(timed))
     heads = getattr(spec.config, "num_attention_heads", None)
     if heads and sp > 1:
         from autosp.passes.shard_rules import factorise
