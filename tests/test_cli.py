@@ -381,7 +381,8 @@ def test_plan_orders_the_three_configurations(model):
 def test_a_plan_priced_at_two_lengths_is_exact_at_a_third():
     # `autosp plan` prices one remat plan at two lengths and solves for the longest: a fixed program's bytes
     # at every point are affine in the length. Replayed at a third length, the simulated step says the same
-    # to the byte, and the cost model's step time to 1e-9; a value whose two sizes both grow (bytes quadratic in the length) is refused.
+    # to the byte, and the cost model's step time to 1e-9; a value whose two sizes both grow (bytes
+    # quadratic in the length) is refused.
     from autosp.passes.tile import find_chains, tile
     from autosp.remat import _by_id, joint_of, simulate_step
     from autosp.remat.apply import apply_plan
@@ -400,7 +401,7 @@ def test_a_plan_priced_at_two_lengths_is_exact_at_a_third():
         assert np.array_equal(aff.a + aff.b * l3, values)
         assert aff.peak(l3) == simulate_step(third, "cpu").peak
         assert q.decisions[1], "the least-peak plan recomputes nothing: the test would not test a plan"
-        # and its step time: FLOPs a power of the length per equation (attention's L^2), bytes affine
+        # and its step time: each equation's FLOPs a L^2 + b L (causal attention's) or constant, bytes affine
         from autosp.remat.cost import device_for, eqn_cost
         from autosp.run.plan import step_seconds
         want = sum(eqn_cost(e, device_for("cpu")).seconds for g in (third.forward, third.backward) for e in g.eqns)

@@ -114,8 +114,8 @@ def _ring_terms(e: Eqn, device: Device) -> tuple[float, float, float, float]:
 
 def eqn_terms(e: Eqn, device: Device) -> tuple[float, float, float, float]:
     """(fixed seconds, FLOPs, bytes through memory, bytes over the links) of an equation: its seconds are
-    fixed + max(FLOPs / flops, memory bytes / mem_bw) + link bytes / link_bw (`terms_seconds`). Apart, so that
-    `autosp plan` can carry each term to another length by how it grows (FLOPs as a power of L, bytes
+    fixed + max(FLOPs / flops, memory bytes / mem_bw) + link bytes / link_bw (`_seconds`). Apart, so that
+    `autosp plan` can carry each term to another length by how it grows (FLOPs as a L^2 + b L, bytes
     affinely)."""
     if e.op.name in RING_OPS:
         return _ring_terms(e, device)
@@ -129,17 +129,19 @@ def eqn_terms(e: Eqn, device: Device) -> tuple[float, float, float, float]:
     return device.launch, float(flops(e)), float(_bytes(e.inputs) + _bytes(e.outputs)), 0.0
 
 
+def _seconds(fixed, f, mem, link, device: Device, maximum=max):
+    return fixed + maximum(f / device.flops, mem / device.mem_bw) + link / device.link_bw
+
+
 def terms_seconds(fixed, f, mem, link, device: Device):
-    """Seconds of equations from their terms (floats or numpy arrays alike)."""
+    """Seconds of equations from arrays of their terms (eqn_terms, one entry per equation)."""
     import numpy as np
-    return fixed + np.maximum(f / device.flops, mem / device.mem_bw) + link / device.link_bw
+    return _seconds(fixed, f, mem, link, device, np.maximum)
 
 
 def eqn_cost(e: Eqn, device: Device) -> Cost:
     fixed, f, mem, link = eqn_terms(e, device)
-    if not (f or mem or link or fixed):
-        return Cost(0, 0.0)
-    return Cost(int(f), fixed + max(f / device.flops, mem / device.mem_bw) + link / device.link_bw)
+    return Cost(int(f), _seconds(fixed, f, mem, link, device))
 
 
 _REGISTERED = []

@@ -706,8 +706,8 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
     if timed:
         from autosp.remat.cost import device_for
         d = device_for(device)
-        out.append(f"step time per rank at that length, the cost model's estimate ({device}: {d.flops / 1e12:g} TFLOP/s, "
-                   f"{d.mem_bw / 1e12:g} TB/s memory, {d.link_bw / 1e9:g} GB/s links; every equation of the step, "
+        out.append("step time per rank at that length, the cost model's estimate "
+                   f"({device}: {d.flops / 1e12:g} TFLOP/s, {d.mem_bw / 1e12:g} TB/s memory, {d.link_bw / 1e9:g} GB/s links; every equation of the step, "
                    "recomputations included, one after another; host transfers overlap it): " + "; ".join(timed))
     heads = getattr(spec.config, "num_attention_heads", None)
     if heads and sp > 1:
