@@ -6,6 +6,8 @@ buffers such as RoPE's `inv_freq`) become graph constants. Non-tensor leaves
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 import operator
 import os
@@ -27,6 +29,30 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 # make_fx learned record_stack_traces after torch 2.5; older versions trace without source lines
 _STACK_TRACES = ({"record_stack_traces": True}
                  if "record_stack_traces" in inspect.signature(make_fx).parameters else {})
+_SOURCES = contextvars.ContextVar("autosp_trace_sources", default=True)
+
+
+def uncompiled():
+    """make_fx's GraphModules without their Python code (torch's lazy graph modules): autosp lifts the
+    graph and never calls the module, and generating and compiling the code of a 20,000-equation joint
+    took seconds (bench/RESULTS.md). A no-op on a torch without them."""
+    try:
+        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+    except ImportError:
+        return contextlib.nullcontext()
+    return _use_lazy_graph_module(True)
+
+
+@contextlib.contextmanager
+def without_sources():
+    """Trace without each equation's source line (Eqn.source, which errors quote): make_fx's stack
+    traces are a sixth of a large model's trace. For callers that retrace with them on an error
+    (autosp plan), so that the error still names the line."""
+    token = _SOURCES.set(False)
+    try:
+        yield
+    finally:
+        _SOURCES.reset(token)
 _AUTOSP_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -85,8 +111,10 @@ def _anchor_user_frames(fn) -> None:
 def _make_fx(fn, flat_fn, real, *, pre_dispatch: bool) -> torch.fx.GraphModule:
     _anchor_user_frames(fn)
     try:
-        return make_fx(flat_fn, decomposition_table=trace_decompositions(), tracing_mode="fake",
-                       _allow_non_fake_inputs=True, pre_dispatch=pre_dispatch, **_STACK_TRACES)(*real)
+        with uncompiled():
+            return make_fx(flat_fn, decomposition_table=trace_decompositions(), tracing_mode="fake",
+                           _allow_non_fake_inputs=True, pre_dispatch=pre_dispatch,
+                           **(_STACK_TRACES if _SOURCES.get() else {}))(*real)
     except TraceError:
         raise
     except Exception as exc:  # noqa: BLE001 - any tracing failure becomes one clear error

@@ -32,9 +32,8 @@ def predict(model: str, sp: int, seqs, fit, budget: float, device: str = "cpu"):
     out = {}
     with fake_world(sp):
         tracer = Tracer(model_config(model), planning_mesh(sp), torch.float32, 1, sp)
-        q1, q2 = (probe(tracer, n, device, False) for n in fit)
-        (v1, _, _), (v2, _, _) = q1.profiles["sp"], q2.profiles["sp"]
-        aff = Affine.fit(fit[0], v1, fit[1], v2)
+        q = probe(tracer, fit[0], fit[1], device, False, parallel=False)
+        aff = Affine.fit(fit[0], q.profiles[("sp", fit[0])].values, fit[1], q.profiles[("sp", fit[1])].values)
         for s in seqs:
             none = aff.peak(s)
             plan, _ = _step(tracer.trace(s).local, int(budget * none), device)

@@ -393,19 +393,29 @@ def test_a_plan_priced_at_two_lengths_is_exact_at_a_third():
     with fake_world(2):
         tracer = Tracer(model_config("tiny"), planning_mesh(2, 1), torch.float32, 1, 2, shard_params=True)
         q = probe(tracer, l1, l2, "cpu", False, parallel=False)
-        aff = Affine.fit(l1, q.plan[l1][0], l2, q.plan[l2][0])
+        p1, p2 = q.plan[l1], q.plan[l2]
+        aff = Affine.fit(l1, p1.values, l2, p2.values)
         local3 = tracer.trace(l3, single=False).local           # tiled as the plan is, if it is
         tiles = {name: k for name, k, _, _ in q.tiling}
         third = apply_plan(joint_of(tile(local3, _by_id(tiles, find_chains(local3))))[1], *q.decisions)
-        values, _ = _profile(third, "cpu")
+        values, saved, _ = _profile(third, "cpu")
         assert np.array_equal(aff.a + aff.b * l3, values)
         assert aff.peak(l3) == simulate_step(third, "cpu").peak
+        # the bytes saved for the backward at every point, affine too; the row's split at the peak
+        kept = Affine.fit(l1, p1.saved, l2, p2.saved)
+        assert np.array_equal(kept.a + kept.b * l3, saved)
+        assert p1.at(p2, l1, l2, l3) == (values.max(), saved[np.argmax(values)])
+        # followed apart from the rest: at the backward's start they are its saved inputs, each once
+        mem = simulate_step(third, "cpu", saved=True)
+        want = sum(v.nbytes() for v in third.backward.inputs if v.name in set(third.saved))
+        assert mem.backward.tracked[0] == want > 0
+        assert len(mem.forward.tracked) == len(mem.forward.during) + 2
         assert q.decisions[1], "the least-peak plan recomputes nothing: the test would not test a plan"
         # and its step time: each equation's FLOPs a L^2 + b L (causal attention's) or constant, bytes affine
         from autosp.remat.cost import device_for, eqn_cost
         from autosp.run.plan import step_seconds
         want = sum(eqn_cost(e, device_for("cpu")).seconds for g in (third.forward, third.backward) for e in g.eqns)
-        got = step_seconds(q.plan[l1][3], l1, q.plan[l2][3], l2, l3, "cpu")
+        got = step_seconds(p1.terms, l1, p2.terms, l2, l3, "cpu")
         assert abs(got - want) <= 1e-9 * want, (got, want)
     with pytest.raises(AutospError, match=r"a value of mul has shape \[4, 4\] at 4 tokens and \[8, 8\] at 8"):
         check_affine([("mul", ((4, 4),))], 4, [("mul", ((8, 8),))], 8)

@@ -125,3 +125,19 @@ def test_trace_errors_name_the_line_and_fix():
 
     with pytest.raises(autosp.AutospError, match=r"object.*pytrees"):
         autosp.trace(lambda x, o: x, torch.randn(3), object())
+
+
+def test_a_trace_without_source_lines_is_the_same_program():
+    # autosp plan traces without make_fx's stack traces (a sixth of a large model's trace) and retraces
+    # with them only to raise an error that names the line
+    import sys
+    from autosp.trace import without_sources
+    trace = sys.modules["autosp.trace"].trace
+    model = tiny_llama()
+    fn, params, (ids, labels) = llama_loss(model), params_of(model), batch(2, 32, 64)
+    full = trace(fn, params, ids, labels)
+    with without_sources():
+        bare = trace(fn, params, ids, labels)
+    assert str(full) == str(bare)
+    assert any(e.source for e in full.eqns) and not any(e.source for e in bare.eqns)
+    assert any(e.source for e in trace(fn, params, ids, labels).eqns)       # back on after the block

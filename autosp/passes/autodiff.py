@@ -179,8 +179,10 @@ def differentiate(fwd: Graph, diff_inputs: tuple[int, ...] | None = None) -> Joi
         consts = [torch.empty(v.shape, dtype=v.dtype, device=v.device) if t.device.type == "meta"
                   else mode.from_tensor(t) for v, t in fwd.consts]
     saved_attrs = {name: getattr(gm, name) for name in const_names}
+    from autosp.trace import lift, uncompiled
     try:
-        jgm = make_fx(joint, tracing_mode="fake")(*prim, *consts, *tans)
+        with uncompiled():
+            jgm = make_fx(joint, tracing_mode="fake")(*prim, *consts, *tans)
     finally:
         for name, t in saved_attrs.items():
             setattr(gm, name, t)
@@ -189,7 +191,6 @@ def differentiate(fwd: Graph, diff_inputs: tuple[int, ...] | None = None) -> Joi
         raise AutospError(f"autosp: outputs {sorted(set(diff_out) - set(live))} look differentiable but do not "
                           "require grad when run (detached inside the function?). Fix: return them detached "
                           "explicitly or not at all.")
-    from autosp.trace import lift
     ins = ([Var(v.name, v.dtype, v.shape, v.device, role=v.role) for v in fwd.inputs]
            + [Var(f"{v.name}", v.dtype, v.shape, v.device, role=Role.CONST) for v, _ in fwd.consts]
            + [Var(f"tangent{k}", out_vars[j].dtype, out_vars[j].shape, out_vars[j].device, role=Role.TANGENT)

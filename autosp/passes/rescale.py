@@ -127,6 +127,13 @@ def _move_args(e, sizes: Sizes):
     return args, kwargs
 
 
+def _same(a, b) -> bool:
+    """The same leaves (moving returns an argument that stays as itself)."""
+    leaf = lambda x: isinstance(x, In)      # noqa: E731
+    xs, ys = pytree.tree_leaves(a, is_leaf=leaf), pytree.tree_leaves(b, is_leaf=leaf)
+    return len(xs) == len(ys) and all(x is y for x, y in zip(xs, ys))
+
+
 def _ints(tree) -> list:
     leaves = pytree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, In))
     return [x for x in leaves if isinstance(x, (int, float)) and not isinstance(x, bool)]
@@ -184,11 +191,24 @@ def reinstantiate(g: Graph, sizes: Sizes, consts) -> Graph:
             t = consts[k] if k < len(consts) else t
             env[v.name] = torch.empty(t.shape, dtype=v.dtype, device=v.device)
             new_consts.append((at(v, t.shape), t))
+        def value(x: Var):
+            t = env.get(x.name)
+            if t is None:                       # made by an equation that did not run: a stand-in
+                v = new[x.name]
+                t = env[x.name] = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+            return t
+
         eqns = []
         for k, e in enumerate(g.eqns):
             args, kwargs = _move_args(e, sizes)
+            if (_same((args, kwargs), (e.args, e.kwargs)) and all(new[x.name] is x for x in e.inputs)
+                    and all(v.dtype is not None for v in e.outputs)):
+                # nothing it reads moved: its outputs are as traced (shapes are functions of the inputs'
+                # shapes and the arguments), so it need not run; the sizes it shows stay
+                eqns.append(e.replace(outputs=tuple(at(v, v.shape) for v in e.outputs)))
+                continue
             moved = e.replace(args=args, kwargs=kwargs)
-            bound_args, bound_kwargs = moved.bind([env[x.name] for x in e.inputs])
+            bound_args, bound_kwargs = moved.bind([value(x) for x in e.inputs])
             try:
                 out = e.op.target(*bound_args, **bound_kwargs)
             except Exception as exc:  # noqa: BLE001 - any failure means: trace instead

@@ -182,6 +182,8 @@ class Timeline:
     during: tuple[int, ...]        # peak bytes while each equation runs
     end: int                       # bytes live at the end (outputs and kept values)
     at_peak: tuple[tuple[str, int], ...] = ()   # (storage, bytes) live at the peak, if asked for
+    tracked: tuple[int, ...] = ()   # bytes of the `track`ed values' storages live: at the start, during each
+                                    # equation, at the end (len(during) + 2), if asked for
 
     @property
     def peak(self) -> int:
@@ -201,12 +203,14 @@ def last_uses(graph: Graph) -> dict[str, int]:
 
 
 def simulate(graph: Graph, counted=(), keep=(), base: int = 0, host=(), detail: bool = False,
-             device: str = "cpu") -> Timeline:
+             device: str = "cpu", track=None) -> Timeline:
     """Bytes live through `graph`. Inputs named in `counted` (and their storages) count from the
     start and are freed after their last use; other inputs and constants are not counted (they
     live before and after the program). `keep`: names alive to the end besides the outputs.
     `host`: names of values in host memory (offloaded copies), which the device does not hold.
-    `device`: the kind of device the step runs on ('cpu', 'cuda'), for kernels' workspaces."""
+    `device`: the kind of device the step runs on ('cpu', 'cuda'), for kernels' workspaces.
+    `track`: names whose storages' bytes are followed apart (Timeline.tracked), e.g. the values a
+    forward saves for its backward."""
     root = roots(graph)
     counted = set(counted) - set(host)
     host = set(host)
@@ -225,22 +229,28 @@ def simulate(graph: Graph, counted=(), keep=(), base: int = 0, host=(), detail: 
         live_vars.add(v.name)
 
     cur = base
+    followed = {root[n] for n in track if n in root} if track is not None else set()
+    cur_t = 0                                        # bytes of the followed storages live
     for v in graph.inputs:
         if v.name in counted:
             if owners.get(root[v.name], 0) == 0:
                 cur += size[root[v.name]]
+                cur_t += size[root[v.name]] if root[v.name] in followed else 0
             hold(v)
     start = cur
+    tracked = [cur_t] if track is not None else None
 
     def release(name: str):
-        nonlocal cur
+        nonlocal cur, cur_t
         if name not in live_vars or name in pinned:
             return
         live_vars.discard(name)
         r = root[name]
         owners[r] -= 1
         if owners[r] == 0 and r in size:
-            cur -= size.pop(r)
+            freed = size.pop(r)
+            cur -= freed
+            cur_t -= freed if r in followed else 0
 
     after, during = [], []
     best, snapshot = -1, ()
@@ -252,9 +262,12 @@ def simulate(graph: Graph, counted=(), keep=(), base: int = 0, host=(), detail: 
             if a is None and v.name not in host:
                 size[r] = nbytes(v)
                 cur += size[r]
+                cur_t += size[r] if r in followed else 0
             if r in size or a is None:
                 hold(v)
         during.append(cur + workspace(e, device))
+        if tracked is not None:
+            tracked.append(cur_t)
         if detail and during[-1] > best:
             best = during[-1]
             snapshot = tuple(sorted(size.items(), key=lambda kv: -kv[1]))
@@ -265,4 +278,6 @@ def simulate(graph: Graph, counted=(), keep=(), base: int = 0, host=(), detail: 
             if v.name not in last:
                 release(v.name)
         after.append(cur)
-    return Timeline(start, tuple(after), tuple(during), cur, snapshot)
+    if tracked is not None:
+        tracked.append(cur_t)
+    return Timeline(start, tuple(after), tuple(during), cur, snapshot, tuple(tracked or ()))

@@ -172,17 +172,20 @@ def parse_budget(budget) -> tuple[str, float]:
                       "bytes, or a string such as '20GiB'.")
 
 
-def simulate_step(program: Program, device: str = "cpu") -> StepMemory:
+def simulate_step(program: Program, device: str = "cpu", saved: bool = False) -> StepMemory:
     """The step's bytes over time on a `device` ('cpu', 'cuda'): the forward, then the backward with
-    the forward's results live."""
+    the forward's results live. `saved`: also follow the bytes of the values the forward saves for
+    the backward (on the device; Timeline.tracked)."""
     host = {host_name(n) for n in program.offloaded}
-    f = L.simulate(program.forward, host=host, device=device)
+    track = set(program.saved) if saved else None
+    f = L.simulate(program.forward, host=host, device=device, track=track)
     kept = list(program.saved) + sorted(host)
     tangents = [v.name for v in program.backward.inputs if v.role.value == "tangent"]
     # forward outputs that the backward does not take stay alive (the caller holds them)
     out_bytes = _distinct_bytes([o for o in program.forward.outputs[:program.n_outputs] if isinstance(o, Var)],
                                 exclude=set(program.saved))
-    b = L.simulate(program.backward, counted=set(kept) | set(tangents), base=out_bytes, host=host, device=device)
+    b = L.simulate(program.backward, counted=set(kept) | set(tangents), base=out_bytes, host=host, device=device,
+                   track=track)
     return StepMemory(f, b)
 
 
@@ -263,7 +266,7 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, ho
     full = _program(joint, problem, full_x)
     no_remat = simulate_step(full, device.name).peak
     if budget is None:
-        return _describe(problem, joint, full_x, full, no_remat, None, None, device, host), full
+        return _describe(problem, joint, full_x, full, no_remat, None, None, device, host, peak=no_remat), full
     kind, amount = parse_budget(budget)
 
     def simulated(x):
@@ -284,10 +287,11 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, ho
             least = _cheapest_at(problem, needs, classes, simulated, least)
         x, prog, peak = least
         return _describe(problem, joint, x, prog, no_remat, int(peak), int(peak), device, host,
-                         _method(x, found)), prog
+                         _method(x, found), peak=peak), prog
     target = amount * no_remat if kind == "fraction" else amount
     if target >= no_remat:
-        return _describe(problem, joint, full_x, full, no_remat, int(target), None, device, host), full
+        return _describe(problem, joint, full_x, full, no_remat, int(target), None, device, host,
+                         peak=no_remat), full
 
     model_budget = target
     best = None
@@ -331,7 +335,7 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, ho
         best = least + (problem.objective(least[0]),)
     x, prog = best[0], best[1]
     return _describe(problem, joint, x, prog, no_remat, int(target), least_peak, device, host,
-                     _method(x, found)), prog
+                     _method(x, found), peak=best[2]), prog
 
 
 def _method(x, seeds) -> str:
@@ -410,7 +414,9 @@ def _least(problem, needs, classes, simulated, no_remat, full_x, full, tol: floa
 
 
 def _descend(problem, needs, classes, simulated, best, placed, rounds, known):
-    """The best of `best` and the peak-minimising MIPs placed for `placed`, then for each answer's set."""
+    """The best of `best` and the peak-minimising MIPs placed for `placed`, then for each answer's set,
+    while they beat `best`: a first answer above it (per-layer checkpointing's, on every model planned
+    at scale) was never beaten by the next round's (bench/RESULTS.md), which cost a second of HiGHS."""
     seen = set()
     for _ in range(rounds):
         needs.place(problem, placed)
@@ -419,8 +425,9 @@ def _descend(problem, needs, classes, simulated, best, placed, rounds, known):
         except Infeasible:
             break
         prog, peak = simulated(x)
-        if peak < best[2]:
-            best = (x, prog, peak)
+        if peak >= best[2]:
+            break
+        best = (x, prog, peak)
         nxt = problem.recomputed(x)
         if nxt == placed or nxt in seen:
             break
@@ -479,7 +486,8 @@ def _program(joint: Joint, p: IlpProblem, x) -> Program:
 
 
 def _describe(p: IlpProblem, joint: Joint, x, program: Program, no_remat, target, least, device,
-              host: int | None = None, method: str = "ILP") -> Plan:
+              host: int | None = None, method: str = "ILP", peak: int | None = None) -> Plan:
+    """The Plan of `program` (`peak`: its simulated peak, where the caller has it)."""
     fwd = joint.forward_eqns
     nK, nV = len(p.eqns), len(p.values)
     by_name = {o.name: (k, o) for k, e in enumerate(fwd) for o in e.outputs}
@@ -502,7 +510,7 @@ def _describe(p: IlpProblem, joint: Joint, x, program: Program, no_remat, target
         decisions.append(Decision(n, act, e.op.name, o.type_str(), L.nbytes(o), fl, float(c)))
     rflops = sum(eqn_cost(e, device).flops for e in recomputed_eqns)
     rsec = sum(eqn_cost(e, device).seconds for e in recomputed_eqns)
-    peak = simulate_step(program, device.name).peak
+    peak = simulate_step(program, device.name).peak if peak is None else peak
     offloaded = [d for d in decisions if d.action == "offload"]
     return Plan(tuple(decisions), int(peak), int(no_remat), target, least, int(rflops), float(rsec),
                 sum(d.bytes for d in offloaded), device.name, float(sum(d.seconds for d in offloaded)), host,

@@ -117,28 +117,80 @@ class Tracer:
     def loss_fn(self, params, input_ids, labels):
         return torch.func.functional_call(self.model, params, (input_ids,), {"labels": labels}).loss
 
+    shared = None       # a _Shared of the probe's two processes, while they run
+
     def trace(self, length: int, single: bool = True) -> Programs:
         """The programs at `length`; single=False: without the no-SP program where it takes another
         trace (sharded parameters: None in its place)."""
-        import autosp
-        ids = torch.zeros(self.batch, length, dtype=torch.long, device="meta")
-        graph, local = autosp.shard(self.loss_fn, self.mesh).graphs(self.params, ids, ids)
+        got = self.shared.get(length) if self.shared is not None else None
+        if got is None:
+            graph, local = self._graphs(self.mesh, length)
+            if self.shared is not None:
+                self.shared.put(length, (graph, local))
+        else:
+            graph, local = got
         single_program = None
         if not self.sharded:
             single_program = graph
         elif self.single_mesh is self.mesh:
             single_program = local
         elif single:
-            single_program = autosp.shard(self.loss_fn, self.single_mesh).graphs(self.params, ids, ids)[1]
+            single_program = self._graphs(self.single_mesh, length)[1]
         return Programs(length, graph, local, single_program)
 
     def single(self, length: int):
         """The no-SP program at `length` alone (one trace: on the dp = all ranks mesh when sharded)."""
-        import autosp
         if not self.sharded or self.single_mesh is self.mesh:
             return self.trace(length).single
+        return self._graphs(self.single_mesh, length)[1]
+
+    def _graphs(self, mesh, length: int):
+        """autosp.shard(...).graphs at `length`, traced without source lines (a sixth of the trace); an
+        error is raised from a second trace with them, so that it names the line."""
+        import autosp
+        from autosp.trace import without_sources
         ids = torch.zeros(self.batch, length, dtype=torch.long, device="meta")
-        return autosp.shard(self.loss_fn, self.single_mesh).graphs(self.params, ids, ids)[1]
+        sharded = autosp.shard(self.loss_fn, mesh)
+        try:
+            with without_sources():
+                return sharded.graphs(self.params, ids, ids)
+        except AutospError:
+            return sharded.graphs(self.params, ids, ids)[1]
+
+
+class _Shared:
+    """The traces the probe's two processes both need, passed through files (each written whole, then
+    renamed into place): the first to trace a length hands it over, and a process that finds none
+    traces for itself, so neither ever waits for the other. Each traces first the length it needs
+    first (the short one here, the long one in the search), so each finds the other's."""
+
+    def __init__(self):
+        import tempfile
+        self.dir = tempfile.mkdtemp(prefix="autosp-plan-")
+
+    def _path(self, length: int) -> str:
+        import os
+        return os.path.join(self.dir, f"{length}.trace")
+
+    def put(self, length: int, programs) -> None:
+        import os
+        from autosp.ir.serial import dumps
+        tmp = f"{self._path(length)}.{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(dumps(programs))
+        os.replace(tmp, self._path(length))
+
+    def get(self, length: int):
+        from autosp.ir.serial import loads
+        try:
+            with open(self._path(length), "rb") as f:
+                return loads(f.read())
+        except FileNotFoundError:
+            return None
+
+    def close(self) -> None:
+        import shutil
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _step(graph, budget, device: str):
@@ -149,30 +201,52 @@ def _step(graph, budget, device: str):
     return plan, program
 
 
-def _profile(program, device: str) -> tuple[np.ndarray, int]:
-    """The bytes live at every point of the simulated step on `device`, and a hash of the program's shape."""
+@dataclass
+class Priced:
+    """A fixed program's step at one length, as the cost and memory models see it (picklable)."""
+    values: np.ndarray      # bytes live at every point of the step (forward, then backward)
+    saved: np.ndarray       # of which, the values the forward saves for the backward (on the device)
+    comm: tuple[int, int]   # collective bytes sent per rank (comm_bytes)
+    host: int               # bytes offloaded to host memory
+    terms: np.ndarray       # the cost model's terms of every equation (_terms)
+    shape: int = 0          # a hash of the program's shape (its equations' ops)
+
+    def at(self, priced2: Priced, l1: int, l2: int, length: int, extra=None) -> tuple[float, float]:
+        """(the step's peak, the saved bytes at that peak) at `length`, from this (at l1) and `priced2`
+        (at l2): at the point where the peak falls at `length`, both affine in the length. `extra`:
+        a function of the length added to the bytes at every point (the token ids)."""
+        add = extra or (lambda _: 0)
+        peak = Affine.fit(l1, self.values + add(l1), l2, priced2.values + add(l2))
+        at = int(np.argmax(peak.a + peak.b * length))
+        saved = _line(float(self.saved[at]), l1, float(priced2.saved[at]), l2).peak(length)
+        return peak.peak(length), saved
+
+
+def _profile(program, device: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """The bytes live at every point of the simulated step on `device`, those of the values saved for
+    the backward at the same points, and a hash of the program's shape."""
     from autosp.remat import simulate_step
-    mem = simulate_step(program, device)
-    values = []
+    mem = simulate_step(program, device, saved=True)
+    values, saved = [], []
     for t in (mem.forward, mem.backward):
         values += [t.start, *t.during, t.end]
+        saved += t.tracked
     shape = hash(tuple(e.op.name for g in (program.forward, program.backward) for e in g.eqns))
-    return np.asarray(values, dtype=np.float64), shape
+    return np.asarray(values, dtype=np.float64), np.asarray(saved, dtype=np.float64), shape
 
 
-def _no_remat(graph, device: str):
-    """(values, shape hash, collective bytes, time terms) of a graph's no-remat step."""
+def _no_remat(graph, device: str) -> Priced:
+    """A graph's no-remat step, priced."""
     _, program = _step(graph, None, device)
-    values, shape = _profile(program, device)
-    return values, shape, comm_bytes(program), _terms(program, device)
+    return _priced(program, device)
 
 
-def _priced(program, device: str) -> tuple[np.ndarray, tuple[int, int], int, np.ndarray]:
-    """(values, collective bytes, offloaded bytes, time terms) of a plan's program."""
-    values, _ = _profile(program, device)
+def _priced(program, device: str) -> Priced:
+    """A plan's program, priced."""
+    values, saved, shape = _profile(program, device)
     made = {o.name: o for e in program.forward.eqns for o in e.outputs}
-    return (values, comm_bytes(program), sum(made[n].nbytes() for n in program.offloaded if n in made),
-            _terms(program, device))
+    return Priced(values, saved, comm_bytes(program), sum(made[n].nbytes() for n in program.offloaded if n in made),
+                  _terms(program, device), shape)
 
 
 def _terms(program, device: str) -> np.ndarray:
@@ -204,9 +278,9 @@ def step_seconds(t1: np.ndarray, l1: int, t2: np.ndarray, l2: int, length: int, 
 @dataclass
 class Probe:
     """What the two probe lengths tell (picklable: half of it comes from a forked process)."""
-    profiles: dict          # (config, length) -> no-remat (values, shape hash, collective bytes)
+    profiles: dict          # (config, length) -> the no-remat step, Priced
     least: int              # the least peak found at the longer length
-    plan: dict              # length -> _priced of that plan's program
+    plan: dict              # length -> that plan's program, Priced
     decisions: tuple        # that plan: (saved names, recomputed forward equations, offloaded names)
     offload_seconds: float  # that plan's host transfers at l2 (the cost model's), in proportion to their bytes
     tiling: tuple = ()      # that plan's tiled chains (Plan.tiling, at l2)
@@ -247,7 +321,7 @@ def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory
     length`), for a few rounds; the longest wins."""
     from autosp.remat import _recomputed, plan_step
     p = tracer.trace(l2, single=False)
-    local1 = tracer.trace(l1, single=False).local
+    short = []          # the step at l1, traced (or handed over by the other process) when first needed
 
     chains, deepest = _deepest(p.local, tiled)
     deep = {c.name: deepest[c.id] for c in chains if c.id in deepest}
@@ -258,7 +332,9 @@ def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory
                                             host_memory=cap, tiles=deep)
         decisions = (program.saved, _recomputed(joint, program), program.offloaded)
         tiles = {name: k for name, k, _, _ in plan.tiling}
-        priced1, joint1 = _replay(local1, decisions, tiles, device)
+        if not short:
+            short.append(tracer.trace(l1, single=False).local)
+        priced1, joint1 = _replay(short[0], decisions, tiles, device)
         check_affine(signature(joint1.graph), l1, signature(joint.graph), l2)
         out = ((plan.peak_bytes, plan.offload_seconds, plan.tiling, plan.method),
                {l1: priced1, l2: _priced(program, device)}, decisions)
@@ -269,9 +345,9 @@ def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory
         return least(host_memory)
 
     def slopes(out):
-        (v1, _, h1, _), (v2, _, h2, _) = out[1][l1], out[1][l2]
-        dev = (float(np.max(v2)) - float(np.max(v1))) / (l2 - l1)    # device bytes per token
-        return dev, (h2 - h1) / (l2 - l1)                            # host bytes per token
+        p1, p2 = out[1][l1], out[1][l2]
+        dev = (float(np.max(p2.values)) - float(np.max(p1.values))) / (l2 - l1)    # device bytes per token
+        return dev, (p2.host - p1.host) / (l2 - l1)                                # host bytes per token
 
     # A: nothing offloaded (the device alone, length L_A, d_A bytes per token). Offloading h bytes per
     # token lowers the device's to d(h); the longest length has the host full as the device is: with
@@ -355,10 +431,16 @@ def probe(tracer, l1: int, l2: int, device: str, offload: bool, parallel: bool =
     """Both probe lengths: the no-remat programs here, the least-peak search at l2 (the slowest part) and
     its plan's replay on the step at l1 in a forked process, so that a fixed program is priced at both
     lengths (its bytes are affine in the length). Each process differentiates each of its programs once,
-    at one length; the other length's joint is re-instantiated (remat.joint_of)."""
-    profiles, (found, priced, decisions) = _both(
-        lambda: probe_short(tracer, l1, l2, device),
-        lambda: probe_long(tracer, l1, l2, device, offload, host_memory, fit, tiled), parallel)
+    at one length; the other length's joint is re-instantiated (remat.joint_of). Each SP step is traced
+    once: by this process at l1, by the other at l2, each handing its trace to the other (_Shared)."""
+    shared = tracer.shared = _Shared()
+    try:
+        profiles, (found, priced, decisions) = _both(
+            lambda: probe_short(tracer, l1, l2, device),
+            lambda: probe_long(tracer, l1, l2, device, offload, host_memory, fit, tiled), parallel)
+    finally:
+        tracer.shared = None
+        shared.close()
     least, seconds, tiling, method = found
     return Probe(profiles, least, priced, decisions, seconds, tiling, method)
 
@@ -488,6 +570,8 @@ class Row:
     comm: tuple[int, int] | None    # bytes sent per rank: (sequence collectives, parameter collectives)
     note: str = ""
     seconds: float | None = None    # the cost model's step time at that length (remat.cost)
+    saved: float | None = None      # of the peak, the bytes saved by the forward for the backward
+    host: int = 0                   # bytes offloaded to host memory per rank
 
 
 def _line(a: float, l1: int, b: float, l2: int):
@@ -637,49 +721,55 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
 
         def plan_length(priced) -> int:
             """The longest length a plan priced at l1 and l2 fits: the device's bytes, and the host's."""
-            (va, _, ha, _), (vb, _, hb, _) = priced[l1], priced[l2]
-            length = Affine.fit(l1, va + tokens(l1), l2, vb + tokens(l2)).longest(avail, step)
-            if host_rank is not None and hb > ha:       # the offloaded bytes grow too: the host caps the length
-                length = min(length, _line(ha, l1, hb, l2).longest(host_rank, step))
+            a, b = priced[l1], priced[l2]
+            length = Affine.fit(l1, a.values + tokens(l1), l2, b.values + tokens(l2)).longest(avail, step)
+            if host_rank is not None and b.host > a.host:   # the offloaded bytes grow too: the host caps the length
+                length = min(length, _line(a.host, l1, b.host, l2).longest(host_rank, step))
             return length
 
         q = probe(tracer, l1, l2, device, offload, parallel, host_rank, plan_length, tile)
 
-        rows, models = [], {}
+        def row(name, p1, p2, length, note=""):
+            """The row of a program priced at both lengths, at `length` (none: 0)."""
+            if not length:
+                return Row(name, length, None, None, note)
+            peak, saved = p1.at(p2, l1, l2, length, tokens)
+            return Row(name, length, peak, tuple(int(_line(a, l1, b, l2).peak(length)) for a, b in zip(p1.comm, p2.comm)),
+                       note, step_seconds(p1.terms, l1, p2.terms, l2, length, device), saved,
+                       int(_line(p1.host, l1, p2.host, l2).peak(length)))
+
+        rows = []
         for key, name in (("nosp", "no SP"), ("sp", f"SP={sp}, no remat")):
-            (v1, s1, c1, t1), (v2, s2, c2, t2) = q.profiles[(key, l1)], q.profiles[(key, l2)]
-            if s1 != s2 or len(v1) != len(v2):
+            p1, p2 = q.profiles[(key, l1)], q.profiles[(key, l2)]
+            if p1.shape != p2.shape or len(p1.values) != len(p2.values):
                 raise AutospError(f"autosp plan: {model}'s program differs between lengths {l1} and {l2}, so its "
                                   "memory cannot be solved for in closed form. Fix: plan with autosp.plan at the "
                                   "lengths you need (the Python API).")
-            aff = models[key] = Affine.fit(l1, v1 + tokens(l1), l2, v2 + tokens(l2))
-            length = aff.longest(avail, step)
-            comm = tuple(int(_line(a, l1, b, l2).peak(length)) for a, b in zip(c1, c2)) if length else None
-            rows.append(Row(name, length, aff.peak(length) if length else None, comm,
-                            seconds=step_seconds(t1, l1, t2, l2, length, device) if length else None))
+            length = Affine.fit(l1, p1.values + tokens(l1), l2, p2.values + tokens(l2)).longest(avail, step)
+            rows.append(row(name, p1, p2, length))
 
         # SP with the ILP plan: the plan with the least peak found at l2, priced at both lengths, so its
         # longest length is solved for exactly
         floor_len = rows[1].length
-        (va, ca, ha, ta), (vb, cb, hb, tb) = q.plan[l1], q.plan[l2]
-        aff = Affine.fit(l1, va + tokens(l1), l2, vb + tokens(l2))
+        pa, pb = q.plan[l1], q.plan[l2]
+        ha, hb = pa.host, pb.host
+        aff = Affine.fit(l1, pa.values + tokens(l1), l2, pb.values + tokens(l2))
         length = plan_length(q.plan)
         name = f"SP={sp}, ILP plan (save/recompute{'/offload' if offload else ''})"
         if length <= floor_len:
             rows.append(Row(name, floor_len, rows[1].peak, rows[1].comm, "no plan found fits a longer length than "
-                                                                        "saving everything", rows[1].seconds))
+                                                                        "saving everything", rows[1].seconds,
+                            rows[1].saved))
         else:
             host_bytes = int(_line(ha, l1, hb, l2).peak(length))
-            rows.append(Row(name, length, aff.peak(length),
-                            tuple(int(_line(a, l1, b, l2).peak(length)) for a, b in zip(ca, cb)),
+            rows.append(row(name, pa, pb, length,
                             f"the plan with the least peak found at {l2:,} ({fmt(q.least)}"
                             + f", by {q.method if q.method != 'ILP' else 'the ILP'}"
                             + f"), replayed at {l1:,}, "
                             f"fits up to {length:,}"
                             + (f"; it tiles {', '.join(_tiled_names(q.tiling))}" if q.tiling else "")
                             + (f"; it offloads {fmt(host_bytes)} to host memory per rank" if host_bytes else "")
-                            + "; " + _held_back(aff, length, step, avail, host_bytes, host_rank, ha, hb, l1, l2),
-                            step_seconds(ta, l1, tb, l2, length, device)))
+                            + "; " + _held_back(aff, length, step, avail, host_bytes, host_rank, ha, hb, l1, l2)))
             host_line = _host_line(host, host_memory is not None, world, offload, host_bytes,
                                    q.offload_seconds * host_bytes / hb if hb else None, st.host)
     # replicated: the gradients are all-reduced after the step, by ring; sharded: reduce-scattered in it
@@ -687,18 +777,19 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
     sp_grad = 0 if sharded else ring_allreduce_bytes(st.grads, sp)
 
     out.append(f"longest trainable sequence (tokens per sequence, a multiple of {step}) and per-rank memory:\n")
-    out.append("| configuration | longest sequence | memory per rank | of which the step's peak | "
-               "collectives sent per rank per step |")
-    out.append("|---|---|---|---|---|")
+    out.append("| configuration | longest sequence | memory per rank | model state | the step's peak: saved for "
+               "the backward | + its working set | offloaded to host per rank | collectives sent per rank per step |")
+    out.append("|---|---|---|---|---|---|---|---|")
     for r in rows:
         seq, par = r.comm or (0, 0)
         grads = par + dp_comm + (sp_grad if r.name != "no SP" else 0)
         what = "parameter gathers and gradient reduce-scatters" if sharded else "gradients"
         if r.length:
-            out.append(f"| {r.name} | {r.length:,} | {fmt(fixed + r.peak)} | {fmt(r.peak)} | "
+            out.append(f"| {r.name} | {r.length:,} | {fmt(fixed + r.peak)} | {fmt(fixed)} | {fmt(r.saved)} | "
+                       f"{fmt(r.peak - r.saved)} | {fmt(r.host) if r.host else '-'} | "
                        f"{fmt(seq + grads)} ({fmt(seq)} sequence, {fmt(grads)} {what}) |")
         else:
-            out.append(f"| {r.name} | none ({step} tokens do not fit) | - | - | - |")
+            out.append(f"| {r.name} | none ({step} tokens do not fit) | - | - | - | - | - | - |")
     if rows[1].length and rows[2].length:
         out.append(f"\nILP plan / SP without remat: {rows[2].length / rows[1].length:.2f}x the length"
                    + (f"; SP without remat / no SP: {rows[1].length / rows[0].length:.2f}x" if rows[0].length else ""))
@@ -721,17 +812,21 @@ def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = 
                "step as an affine function of the length (a program's values are either independent of the length "
                "or proportional to it), solved for exactly: the no-remat programs, and the ILP plan; " + rows[2].note + ".")
     if sharded:
-        out.append(f"memory per rank = fp32 master shard + optimizer state ({fmt(fixed)}) + the step's peak "
-                   f"(activations, temporaries, collective buffers, the gathered {dtype} parameters it holds, the fp32 "
-                   f"gradient shards) + the token ids. Parameters are gathered and gradients reduce-scattered over "
+        out.append(f"memory per rank = model state (fp32 master shard + optimizer state, {fmt(fixed)}) + the "
+                   "step's peak, split at the point of the peak into what the forward saved for the backward "
+                   f"(activations, and the gathered {dtype} parameters it keeps) and the working set (the values in "
+                   f"flight, temporaries, collective buffers, the gathered {dtype} parameters in use, the fp32 "
+                   f"gradient shards, the token ids). Parameters are gathered and gradients reduce-scattered over "
                    f"the {world} ranks inside the step (no separate all-reduce). Without remat every gathered "
                    f"parameter is kept for the backward ({fmt(tracer.compute_bytes)} for the whole model), as "
                    "autograd keeps them; the ILP plan may gather again instead. The no-SP row runs every sequence "
                    f"whole on each rank with the same sharded model state (dp {world} x sp 1: FSDP2 without SP)."
                    f" Planned in {time.perf_counter() - t_start:.0f} s.")
     else:
-        out.append(f"memory per rank = parameters + optimizer state ({fmt(fixed)}) + the step's peak (activations, "
-                   "temporaries, collective buffers, gradients) + the token ids. Gradients are all-reduced over sp"
+        out.append(f"memory per rank = model state (parameters + optimizer state, {fmt(fixed)}) + the step's "
+                   "peak, split at the point of the peak into what the forward saved for the backward (activations) "
+                   "and the working set (the values in flight, temporaries, collective buffers, gradients, the token "
+                   "ids). Gradients are all-reduced over sp"
                    + (" and dp" if dp > 1 else "") + f" by ring ({fmt(sp_grad + dp_comm)} sent per rank)."
                    f" Planned in {time.perf_counter() - t_start:.0f} s.")
     return "\n".join(out)
