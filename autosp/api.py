@@ -112,12 +112,16 @@ class Sharded:
                 f"shapes or dtypes:\n  rank {mine}: {sigs[mine][:400]}\n  rank {other}: {sigs[other][:400]}\n"
                 "Fix: every rank of an sp group passes the same global batch (shard along dp instead).")
 
-    def graphs(self, *args, shards=None) -> tuple[Graph, Graph]:
+    def graphs(self, *args, shards=None, global_graph: Graph | None = None) -> tuple[Graph, Graph]:
         """(global trace, per-rank sharded graph) for these arguments. DTensor parameters (FSDP2's
         layout) are traced with their global shapes and gathered in the per-rank graph; `shards`:
-        _param_shards(args), where the caller has them."""
+        _param_shards(args), where the caller has them; `global_graph`: the global trace of this
+        function on these arguments, where the caller has it (from graphs() on another mesh: the trace
+        does not depend on the mesh), so that only the sharding pass runs."""
         self._check_args(args)
         shards = self._param_shards(args) if shards is None else shards
+        if global_graph is not None:
+            return global_graph, self._shard(global_graph, args, shards)
         traced = args
         if any(is_dtensor(x) for x in pytree.tree_leaves(args)):
             from torch._subclasses.fake_tensor import FakeTensorMode
@@ -135,6 +139,10 @@ class Sharded:
                              "by torch's fully_shard, FSDP's hooks ran while autosp traced it. Fix: "
                              "autosp.compile(model, mesh) (which holds them back), or shard the parameters with "
                              "autosp.shard_params(model, mesh) instead of fully_shard.") from None
+        return graph, self._shard(graph, args, shards)
+
+    def _shard(self, graph: Graph, args, shards) -> Graph:
+        """The per-rank graph of the global trace `graph` on this mesh."""
         tensors = [ps for x, ps in zip(pytree.tree_leaves(args), shards) if isinstance(x, torch.Tensor)]
         params = {v.name: ps for v, ps in zip(graph.inputs, tensors) if ps is not None}
         specs = _flat_specs(self.in_specs, args, graph)
@@ -142,7 +150,7 @@ class Sharded:
         local = shard_graph(graph, self.info, in_specs=specs, keep_sharded=keep, params=params)
         if os.environ.get("AUTOSP_CHECKS") == "1":
             verify(local)
-        return graph, local
+        return local
 
     def compile(self, *args):
         leaves, spec = pytree.tree_flatten(args)

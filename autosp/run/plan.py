@@ -134,8 +134,8 @@ class Tracer:
             single_program = graph
         elif self.single_mesh is self.mesh:
             single_program = local
-        elif single:
-            single_program = self._graphs(self.single_mesh, length)[1]
+        elif single:                    # the same global trace, sharded for the dp = all ranks mesh
+            single_program = self._graphs(self.single_mesh, length, graph)[1]
         return Programs(length, graph, local, single_program)
 
     def single(self, length: int):
@@ -144,16 +144,17 @@ class Tracer:
             return self.trace(length).single
         return self._graphs(self.single_mesh, length)[1]
 
-    def _graphs(self, mesh, length: int):
-        """autosp.shard(...).graphs at `length`, traced without source lines (a sixth of the trace); an
-        error is raised from a second trace with them, so that it names the line."""
+    def _graphs(self, mesh, length: int, global_graph=None):
+        """autosp.shard(...).graphs at `length` (of `global_graph`, the global trace, where given), traced
+        without source lines (a sixth of the trace); an error is raised from a second trace with them, so
+        that it names the line."""
         import autosp
         from autosp.trace import without_sources
         ids = torch.zeros(self.batch, length, dtype=torch.long, device="meta")
         sharded = autosp.shard(self.loss_fn, mesh)
         try:
             with without_sources():
-                return sharded.graphs(self.params, ids, ids)
+                return sharded.graphs(self.params, ids, ids, global_graph=global_graph)
         except AutospError:
             return sharded.graphs(self.params, ids, ids)[1]
 
