@@ -109,3 +109,37 @@ def test_a_host_limited_plan_runs_exactly_on_two_ranks():
     for rank, (free, cap, offloaded, held) in enumerate(run_ranks(_limited_job, 2)):
         assert free > 0 and 0 < offloaded <= cap, (rank, free, cap, offloaded)
         assert held[0] == held[1], (rank, held)
+
+
+def test_the_saved_bytes_followed_through_a_step_count_offloaded_values_on_the_device_only():
+    # autosp plan splits a row's peak into what the forward saved for the backward and the working set: an
+    # offloaded value counts while it is on the device, before it leaves and once it is fetched back
+    from autosp.remat import simulate_step
+    from autosp.remat.cost import device_for
+    from autosp.remat.liveness import nbytes
+    from autosp.remat.plan import make_plan
+    joint, _, _ = _stack_problem(4, length=64)
+    _, program = make_plan(joint, 0.6, device_for("cpu", HOST_BW), offload=True)
+    assert program.offloaded
+    mem = simulate_step(program, "cpu", saved=True)
+    f, b = mem.forward, mem.backward
+    assert len(f.tracked) == len(f.during) + 2 and len(b.tracked) == len(b.during) + 2
+    fwd = {o.name: o for e in program.forward.eqns for o in e.outputs}
+    # the forward ends holding what it keeps on the device; the backward starts without the host copies
+    kept = sum(nbytes(fwd[n]) for n in program.saved if n in fwd)
+    assert f.tracked[-1] == kept
+    assert b.tracked[0] == sum(nbytes(v) for v in program.backward.inputs if v.name in set(program.saved))
+    # during each backward equation: the storages of the saved inputs and of the values fetched back, from
+    # their start (or fetch) to the last read of any view of them
+    from autosp.ir.aliases import roots
+    from autosp.remat.liveness import last_uses
+    g = program.backward
+    last, root, names = last_uses(g), roots(g), set(program.saved) | set(program.offloaded)
+    span = {v.name: (-1, last.get(v.name, -1)) for v in g.inputs}
+    span.update({o.name: (i, last.get(o.name, i)) for i, e in enumerate(g.eqns) for o in e.outputs})
+    base = {v.name: v for v in g.inputs} | {o.name: o for e in g.eqns for o in e.outputs}
+    followed = {root[n] for n in names if n in root}
+    assert sum(e.op.name == "prefetch" and e.outputs[0].name in names for e in g.eqns) == len(program.offloaded)
+    for i, e in enumerate(g.eqns):
+        live = {root[n] for n, (a, z) in span.items() if a <= i <= z and root[n] in followed}
+        assert b.tracked[i + 1] == sum(nbytes(base[r]) for r in live), (i, e.format())

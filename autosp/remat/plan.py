@@ -175,9 +175,10 @@ def parse_budget(budget) -> tuple[str, float]:
 def simulate_step(program: Program, device: str = "cpu", saved: bool = False) -> StepMemory:
     """The step's bytes over time on a `device` ('cpu', 'cuda'): the forward, then the backward with
     the forward's results live. `saved`: also follow the bytes of the values the forward saves for
-    the backward (on the device; Timeline.tracked)."""
+    the backward (on the device: an offloaded one before it leaves and once it is fetched back;
+    Timeline.tracked)."""
     host = {host_name(n) for n in program.offloaded}
-    track = set(program.saved) if saved else None
+    track = set(program.saved) | set(program.offloaded) if saved else None
     f = L.simulate(program.forward, host=host, device=device, track=track)
     kept = list(program.saved) + sorted(host)
     tangents = [v.name for v in program.backward.inputs if v.role.value == "tangent"]
