@@ -559,3 +559,21 @@ def test_without_the_train_extra_each_verb_names_it(argv, tmp_path, capsys, monk
     assert f"autosp {argv[0]}: error: " in err and "needs transformers" in err, err
     assert "Fix: pip install 'autosp[train]'" in err, err
     assert os.listdir(tmp_path) == []
+
+
+def test_a_plan_traces_without_source_lines_but_its_errors_name_the_line():
+    # autosp plan traces without make_fx's stack traces; a program the sharding pass refuses is traced again
+    # with them, so that the error still names the user's line
+    from autosp.run.meshes import fake_world, planning_mesh
+    from autosp.run.models import model_config
+    from autosp.run.plan import Tracer
+
+    class Mixing(Tracer):
+        def loss_fn(self, params, input_ids, labels):
+            logits = torch.func.functional_call(self.model, params, (input_ids,)).logits
+            return logits.cummax(dim=1).values.sum()          # mixes positions along the sequence: no rule
+
+    with fake_world(2):
+        tracer = Mixing(model_config("tiny"), planning_mesh(2, 1), torch.float32, 1, 2)
+        with pytest.raises(AutospError, match=r"cummax.*test_cli\.py"):
+            tracer.trace(256)

@@ -156,7 +156,7 @@ class Tracer:
             with without_sources():
                 return sharded.graphs(self.params, ids, ids, global_graph=global_graph)
         except AutospError:
-            return sharded.graphs(self.params, ids, ids)[1]
+            return sharded.graphs(self.params, ids, ids, global_graph=global_graph)
 
 
 class _Shared:
