@@ -35,7 +35,7 @@ _SOURCES = contextvars.ContextVar("autosp_trace_sources", default=True)
 def uncompiled():
     """make_fx's GraphModules without their Python code (torch's lazy graph modules): autosp lifts the
     graph and never calls the module, and generating and compiling the code of a 20,000-equation joint
-    took seconds (bench/RESULTS.md). A no-op on a torch without them."""
+    took a second (bench/RESULTS.md). A no-op on a torch without them."""
     try:
         from torch.fx._lazy_graph_module import _use_lazy_graph_module
     except ImportError:
@@ -46,7 +46,7 @@ def uncompiled():
 @contextlib.contextmanager
 def without_sources():
     """Trace without each equation's source line (Eqn.source, which errors quote): make_fx's stack
-    traces are a sixth of a large model's trace. For callers that retrace with them on an error
+    traces are a tenth of a large model's trace. For callers that retrace with them on an error
     (autosp plan), so that the error still names the line."""
     token = _SOURCES.set(False)
     try:

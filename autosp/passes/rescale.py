@@ -191,6 +191,7 @@ def reinstantiate(g: Graph, sizes: Sizes, consts) -> Graph:
             t = consts[k] if k < len(consts) else t
             env[v.name] = torch.empty(t.shape, dtype=v.dtype, device=v.device)
             new_consts.append((at(v, t.shape), t))
+
         def value(x: Var):
             t = env.get(x.name)
             if t is None:                       # made by an equation that did not run: a stand-in

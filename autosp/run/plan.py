@@ -146,7 +146,7 @@ class Tracer:
 
     def _graphs(self, mesh, length: int, global_graph=None):
         """autosp.shard(...).graphs at `length` (of `global_graph`, the global trace, where given), traced
-        without source lines (a sixth of the trace); an error is raised from a second trace with them, so
+        without source lines (a tenth of the trace); an error is raised from a second trace with them, so
         that it names the line."""
         import autosp
         from autosp.trace import without_sources
