@@ -404,7 +404,7 @@ def test_a_plan_priced_at_two_lengths_is_exact_at_a_third():
         # the bytes saved for the backward at every point, affine too; the row's split at the peak
         kept = Affine.fit(l1, p1.saved, l2, p2.saved)
         assert np.array_equal(kept.a + kept.b * l3, saved)
-        assert p1.at(p2, l1, l2, l3) == (values.max(), saved[np.argmax(values)])
+        assert p1.at(p2, l1, l2, l3, lambda _: 0) == (values.max(), saved[np.argmax(values)])
         # followed apart from the rest: at the backward's start they are its saved inputs, each once
         mem = simulate_step(third, "cpu", saved=True)
         want = sum(v.nbytes() for v in third.backward.inputs if v.name in set(third.saved))

@@ -34,6 +34,7 @@ fake tensors), which costs a fraction of differentiating again.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -121,7 +122,7 @@ class Tracer:
 
     def trace(self, length: int, single: bool = True) -> Programs:
         """The programs at `length`; single=False: without the no-SP program where it takes another
-        trace (sharded parameters: None in its place)."""
+        sharding pass (sharded parameters: None in its place)."""
         got = self.shared.get(length) if self.shared is not None else None
         if got is None:
             graph, local = self._graphs(self.mesh, length)
@@ -137,12 +138,6 @@ class Tracer:
         elif single:                    # the same global trace, sharded for the dp = all ranks mesh
             single_program = self._graphs(self.single_mesh, length, graph)[1]
         return Programs(length, graph, local, single_program)
-
-    def single(self, length: int):
-        """The no-SP program at `length` alone (one trace: on the dp = all ranks mesh when sharded)."""
-        if not self.sharded or self.single_mesh is self.mesh:
-            return self.trace(length).single
-        return self._graphs(self.single_mesh, length)[1]
 
     def _graphs(self, mesh, length: int, global_graph=None):
         """autosp.shard(...).graphs at `length` (of `global_graph`, the global trace, where given), traced
@@ -170,11 +165,9 @@ class _Shared:
         self.dir = tempfile.mkdtemp(prefix="autosp-plan-")
 
     def _path(self, length: int) -> str:
-        import os
         return os.path.join(self.dir, f"{length}.trace")
 
     def put(self, length: int, programs) -> None:
-        import os
         from autosp.ir.serial import dumps
         tmp = f"{self._path(length)}.{os.getpid()}"
         with open(tmp, "wb") as f:
@@ -212,12 +205,11 @@ class Priced:
     terms: np.ndarray       # the cost model's terms of every equation (_terms)
     shape: int = 0          # a hash of the program's shape (its equations' ops)
 
-    def at(self, priced2: Priced, l1: int, l2: int, length: int, extra=None) -> tuple[float, float]:
+    def at(self, priced2: Priced, l1: int, l2: int, length: int, extra) -> tuple[float, float]:
         """(the step's peak, the saved bytes at that peak) at `length`, from this (at l1) and `priced2`
         (at l2): at the point where the peak falls at `length`, both affine in the length. `extra`:
         a function of the length added to the bytes at every point (the token ids)."""
-        add = extra or (lambda _: 0)
-        peak = Affine.fit(l1, self.values + add(l1), l2, priced2.values + add(l2))
+        peak = Affine.fit(l1, self.values + extra(l1), l2, priced2.values + extra(l2))
         at = int(np.argmax(peak.a + peak.b * length))
         saved = _line(float(self.saved[at]), l1, float(priced2.saved[at]), l2).peak(length)
         return peak.peak(length), saved
@@ -449,7 +441,6 @@ def probe(tracer, l1: int, l2: int, device: str, offload: bool, parallel: bool =
 def _both(first, second, parallel: bool = True):
     """first() here and second() in a forked child at the same time (planning is single-threaded
     Python; a second core halves it); sequential where fork is not available."""
-    import os
     import pickle
     if not parallel or not hasattr(os, "fork"):
         return first(), second()
