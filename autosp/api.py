@@ -282,6 +282,7 @@ def value_and_grad(fn, mesh, *, in_specs=None, out_specs=None, memory_budget=Non
         return loss.detach(), pytree.tree_unflatten(out, spec)
 
     run.sharded = step
+    run.plan = lambda params, *rest: step.plan(_differentiable(params), *rest)     # compiles; None without a budget
     return run
 
 

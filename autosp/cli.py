@@ -1,7 +1,8 @@
-"""The command line: `autosp train | plan | explain`.
+"""The command line: `autosp train | plan | explain`, one set of flags for what the step is (run/config.py).
 
-    autosp train --model tiny --sp 2 --steps 200 --out runs/tiny      # 2 CPU ranks via torch.distributed.run
-    autosp plan --model llama-3.1-8b --sp 8 --memory 80GiB             # longest trainable sequence, no run
+    autosp plan --model tiny --sp 2 --memory 1GiB                     # the longest length; ends with the train command
+    autosp plan --model tiny --sp 2 --memory 1GiB --seq-len 8192      # one length: fits or not, per-rank memory
+    autosp train --model tiny --sp 2 --memory 1GiB --seq-len 8192     # planned before step 1; refused if it won't fit
     autosp explain --model tiny --seq-len 4096 --sp 2 --memory-budget 0.5
 
 Bad input exits with code 2 and a message that says what to pass instead; nothing is written.
@@ -18,33 +19,10 @@ import sys
 
 from autosp.errors import AutospError
 
-_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-           "fp16": "float16", "float16": "float16"}
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message}. Fix: see `{self.prog} --help`.\n")
-
-
-def _budget(text: str | None):
-    """--memory-budget: a fraction of the no-remat peak (0.5) or bytes per rank ('6GiB', 6e9)."""
-    if text is None:
-        return None
-    from autosp.remat import parse_budget
-    try:
-        value = float(text)
-    except ValueError:
-        parse_budget(text)                      # '6GiB'; raises with the fix for anything else
-        return text
-    if value <= 1.0:
-        parse_budget(value)
-        return value
-    if value != int(value):
-        raise AutospError(f"--memory-budget {text}: a fraction is at most 1 and bytes are whole. Fix: 0.5 (half "
-                          "the no-remat peak) or a size such as 6GiB.")
-    return int(value)
 
 
 def _positive(kind=int):
@@ -70,44 +48,33 @@ def _nonneg(text):
 
 
 def parser() -> argparse.ArgumentParser:
-    top = _Parser(prog="autosp", description="Automatic sequence parallelism: train, plan and explain "
+    from autosp.run.config import add_step_flags
+    top = _Parser(prog="autosp", description="Automatic sequence parallelism: plan, train and explain "
                                              "long-context training runs.")
     verbs = top.add_subparsers(dest="verb", metavar="{train,plan,explain}", parser_class=_Parser)
 
     t = verbs.add_parser("train", help="train a model on sp x dp ranks (torch.distributed.run)",
                          description="Train a causal LM with autosp on dp x sp ranks, launched through "
-                                     "torch.distributed.run (or on the ranks of an outer torchrun).")
-    t.add_argument("--model", default="tiny", help="preset (tiny, small, llama-3.2-1b, llama-3.2-3b, "
-                   "llama-3.1-8b) or a Hugging Face config.json / model folder (default tiny)")
-    t.add_argument("--sp", type=_positive(), default=None, help="sequence-parallel ranks (default: 2 on CPU, "
-                   "the GPUs on CUDA, the launcher's world / dp under torchrun)")
-    t.add_argument("--dp", type=_positive(), default=1, help="data-parallel ranks (default 1)")
-    t.add_argument("--seq-len", type=_positive(), default=512, help="tokens per sequence (default 512)")
-    t.add_argument("--batch", type=_positive(), default=None, help="sequences per step over all dp ranks "
-                   "(default 4 x dp)")
-    t.add_argument("--steps", type=_positive(), default=200, help="optimizer steps (default 200)")
-    t.add_argument("--lr", type=_positive(float), default=3e-3, help="peak learning rate (default 3e-3)")
-    t.add_argument("--warmup", type=_nonneg, default=None, help="warmup steps (default steps/10, at most 100)")
-    t.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor as a fraction of --lr")
-    t.add_argument("--weight-decay", type=float, default=0.1)
-    t.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: none)")
-    t.add_argument("--memory-budget", default=None, help="autosp remat budget per rank: a fraction of the "
-                   "no-remat peak (0.5) or bytes (6GiB); default: no remat")
-    t.add_argument("--no-shard-params", dest="shard_params", action="store_false",
-                   help="keep parameters, gradients and AdamW moments whole on every rank (default with more than "
-                   "one rank: each one split on dim 0 over all ranks, FSDP2's layout)")
-    t.add_argument("--optimizer-offload", action="store_true", help="keep AdamW's fp32 master weights and moments "
-                   "in host memory and step them with torch's CPU AdamW (ZeRO-Offload)")
-    t.add_argument("--data", default=None, help="token file (.npy, .bin) or text file; default: the Python "
+                                     "torch.distributed.run (or on the ranks of an outer torchrun). With --memory "
+                                     "the step is planned before the first one, and a length that does not fit is "
+                                     "refused (exit 2).")
+    add_step_flags(t, "train")
+    r = t.add_argument_group("the run")
+    r.add_argument("--steps", type=_positive(), default=200, help="optimizer steps (default 200)")
+    r.add_argument("--lr", type=_positive(float), default=3e-3, help="peak learning rate (default 3e-3)")
+    r.add_argument("--warmup", type=_nonneg, default=None, help="warmup steps (default steps/10, at most 100)")
+    r.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor as a fraction of --lr")
+    r.add_argument("--weight-decay", type=float, default=0.1)
+    r.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: none)")
+    r.add_argument("--data", default=None, help="token file (.npy, .bin) or text file; default: the Python "
                    "standard library's source as bytes")
-    t.add_argument("--dtype", default="uint16", choices=["uint16", "uint32"], help="token type of a .bin file")
-    t.add_argument("--out", default=None, help="run folder: checkpoints, metrics.jsonl, loss.png "
+    r.add_argument("--token-dtype", default="uint16", choices=["uint16", "uint32"], help="token type of a .bin file")
+    r.add_argument("--out", default=None, help="run folder: checkpoints, metrics.jsonl, loss.png "
                    "(default runs/MODEL)")
-    t.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
-    t.add_argument("--save-every", type=_nonneg, default=0, help="checkpoint every N steps (and always at the end)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
-    t.add_argument("--timeout", type=_positive(float), default=300.0,
+    r.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    r.add_argument("--save-every", type=_nonneg, default=0, help="checkpoint every N steps (and always at the end)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--timeout", type=_positive(float), default=300.0,
                    help="seconds a collective waits for a silent rank before the run stops (default 300)")
     launcher = t.add_argument_group("launcher (passed to torch.distributed.run)")
     launcher.add_argument("--nnodes", default="1")
@@ -119,42 +86,19 @@ def parser() -> argparse.ArgumentParser:
     launcher.add_argument("--log-dir", default=None, help="per-rank logs (torchrun's --log-dir)")
     launcher.add_argument("--verbose", action="store_true", help="show the launcher's own log")
 
-    p = verbs.add_parser("plan", help="the longest trainable sequence per rank, from the memory model",
+    p = verbs.add_parser("plan", help="the longest trainable sequence per rank, or one length's memory; runs nothing",
                          description="Predict, without running anything, the longest sequence each rank can "
-                                     "train: no SP, SP without remat, SP with autosp's ILP plan.")
-    p.add_argument("--model", required=True, help="preset or Hugging Face config path")
-    p.add_argument("--sp", type=_positive(), required=True, help="sequence-parallel ranks")
-    p.add_argument("--dp", type=_positive(), default=1, help="data-parallel ranks (default 1)")
-    p.add_argument("--memory", required=True, help="memory per rank, e.g. 80GiB")
-    p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES), help="parameter and activation dtype")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
-                   help="adamw: 2 fp32 moments per parameter; sgd: none")
-    p.add_argument("--batch", type=_positive(), default=1, help="sequences per dp rank (default 1)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda", help="cost model of the plan")
-    p.add_argument("--offload", action="store_true", help="let the ILP plan offload to host memory (cuda)")
+                                     "train within --memory (no SP, SP without remat, SP with autosp's ILP plan), "
+                                     "or with --seq-len whether that length fits and its per-rank memory. Each "
+                                     "answer that fits ends with the `autosp train` command that runs it.")
+    add_step_flags(p, "plan")
     p.add_argument("--granularity", type=_positive(), default=None,
                    help="report lengths as multiples of this (default sp x 64)")
-    p.add_argument("--no-shard-params", dest="shard_params", action="store_false",
-                   help="count the model state replicated on every rank (default: sharded over the dp x sp ranks "
-                        "as autosp.shard_params / FSDP2 lay it out, fp32 master, gradients and moments)")
-    p.add_argument("--no-tile", dest="tile", action="store_false", help="plan without tiling the MLPs and the "
-                   "loss head along the sequence (faster to plan, shorter answers at long context)")
-    p.add_argument("--optimizer-offload", action="store_true", help="count the model state as autosp train "
-                   "--optimizer-offload keeps it: fp32 master copy, gradient copy and moments in host memory")
-    p.add_argument("--host-memory", default=None, help="host memory per node, counted apart from the device, "
-                   "e.g. 1TiB (default: 1 TiB assumed), shared by its min(ranks, 8) ranks: with --offload each "
-                   "rank's share caps what its plan offloads")
 
     e = verbs.add_parser("explain", help="the sharded program and its remat plan, with a memory timeline PNG",
                          description="Print the sharded program's summary (layouts, collectives, remat plan) "
                                      "and plot the per-rank memory over one step, with and without the plan.")
-    e.add_argument("--model", required=True, help="preset or Hugging Face config path")
-    e.add_argument("--seq-len", type=_positive(), required=True)
-    e.add_argument("--sp", type=_positive(), required=True)
-    e.add_argument("--memory-budget", default="0.5", help="fraction (0.5) or bytes (6GiB); default 0.5")
-    e.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES))
-    e.add_argument("--batch", type=_positive(), default=1)
-    e.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cost model of the plan")
+    add_step_flags(e, "explain")
     e.add_argument("--full", action="store_true", help="print every program, not the summary")
     e.add_argument("--png", default=None, help="timeline image (default explain-MODEL-sSEQ-spN.png)")
     return top
@@ -173,55 +117,34 @@ def _require_transformers(verb: str) -> None:
 
 # ---------------------------------------------------------------- train
 
-def _in_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def check_train(a) -> None:
-    """Every check that needs no rank: bad input fails here, before anything is launched or written."""
+    """Every check that needs no rank: bad input fails here, before anything is launched or written. With
+    --memory (or --memory-budget) the step is planned here as `autosp plan --seq-len` plans it, and a length
+    that does not fit is refused with the longest that does."""
     from autosp.run.checkpoint import checkpoints
+    from autosp.run.config import in_torchrun, step_of
     from autosp.run.data import check_corpus, open_corpus
     from autosp.run.models import peek_vocab
-    if a.device is None:
-        import torch
-        a.device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif a.device == "cuda":
-        import torch
-        if not torch.cuda.is_available():
-            raise AutospError("--device cuda: no CUDA device is visible. Fix: --device cpu, or run on a GPU machine.")
-    if a.sp is None:
-        if _in_torchrun():
-            a.sp = max(1, int(os.environ["WORLD_SIZE"]) // a.dp)
-        elif a.device == "cuda":
-            import torch
-            a.sp = max(1, torch.cuda.device_count() // a.dp)
-        else:
-            a.sp = 2
-    if a.batch is None:
-        a.batch = 4 * a.dp
-    if a.batch % a.dp:
-        raise AutospError(f"--batch {a.batch} does not split over --dp {a.dp} ranks. Fix: a multiple of {a.dp}, "
-                          f"e.g. --batch {a.dp * max(1, a.batch // a.dp)}.")
-    if a.seq_len < 2:
-        raise AutospError(f"--seq-len {a.seq_len}: a causal LM needs at least 2 tokens. Fix: --seq-len 512.")
-    world = a.sp * a.dp
-    if _in_torchrun() and int(os.environ["WORLD_SIZE"]) != world:
-        raise AutospError(f"the launcher started {os.environ['WORLD_SIZE']} ranks, but --dp {a.dp} x --sp {a.sp} "
-                          f"is {world}. Fix: --sp {int(os.environ['WORLD_SIZE']) // a.dp} (or leave --sp out).")
+    if a.seq_len is None:
+        a.seq_len = 512
+    a.step = step = step_of(a, "train")
+    world = step.world
+    if in_torchrun() and int(os.environ["WORLD_SIZE"]) != world:
+        raise AutospError(f"the launcher started {os.environ['WORLD_SIZE']} ranks, but --dp {step.dp} x --sp {step.sp} "
+                          f"is {world}. Fix: --sp {int(os.environ['WORLD_SIZE']) // step.dp} (or leave --sp out).")
     nodes = str(a.nnodes).split(":")[-1]
     if not nodes.isdigit() or int(nodes) < 1:
         raise AutospError(f"--nnodes {a.nnodes}: expected a number of nodes (or MIN:MAX). Fix: --nnodes 1.")
-    if not _in_torchrun() and a.nproc_per_node is None and world % int(nodes):
-        raise AutospError(f"--dp {a.dp} x --sp {a.sp} = {world} ranks do not split over --nnodes {a.nnodes}. "
+    if not in_torchrun() and a.nproc_per_node is None and world % int(nodes):
+        raise AutospError(f"--dp {step.dp} x --sp {step.sp} = {world} ranks do not split over --nnodes {a.nnodes}. "
                           "Fix: pass --nproc-per-node, or a world size that is a multiple of the node count.")
     if a.min_lr_ratio < 0 or a.min_lr_ratio > 1:
         raise AutospError(f"--min-lr-ratio {a.min_lr_ratio}: a fraction of --lr in [0, 1]. Fix: --min-lr-ratio 0.1.")
     if a.clip < 0 or a.weight_decay < 0:
         raise AutospError("--clip and --weight-decay must be >= 0. Fix: --clip 1.0 --weight-decay 0.1.")
-    a.memory_budget = _budget(a.memory_budget)
-    check_corpus(open_corpus(a.data, a.dtype), a.seq_len, peek_vocab(a.model))
+    check_corpus(open_corpus(a.data, a.token_dtype), step.seq_len, peek_vocab(step.model))
     if a.out is None:
-        a.out = os.path.join("runs", os.path.basename(os.path.normpath(a.model)) or "model")
+        a.out = os.path.join("runs", os.path.basename(os.path.normpath(step.model)) or "model")
     if os.path.exists(a.out) and not os.path.isdir(a.out):
         raise AutospError(f"--out {a.out} is a file. Fix: pass a folder for the run (it is created).")
     done = checkpoints(a.out)
@@ -230,11 +153,18 @@ def check_train(a) -> None:
         what = f"checkpoint step-{done[-1][0]}" if done else "metrics.jsonl"
         raise AutospError(f"--out {a.out} already holds a run ({what}). Fix: add --resume to continue it, or pass "
                           "another --out.")
+    # the ranks of our own launcher were checked by it; a user's torchrun starts ranks that check themselves
+    if (step.memory is not None or step.memory_budget is not None) and not os.environ.get("AUTOSP_LAUNCHED"):
+        from autosp.run.answer import at_length
+        fit = at_length(step)
+        if not fit.fits:
+            raise AutospError(fit.refusal())
 
 
 def _train(a, argv) -> int:
+    from autosp.run.config import in_torchrun
     check_train(a)
-    if _in_torchrun():
+    if in_torchrun():
         return _worker(a)
     from autosp.run.launch import launch
     return launch(a, argv)
@@ -258,20 +188,24 @@ def _worker(a) -> int:
 # ---------------------------------------------------------------- plan, explain
 
 def _plan(a) -> int:
-    from autosp.run.plan import plan_lengths
-    print(plan_lengths(a.model, sp=a.sp, dp=a.dp, memory=a.memory, dtype=_DTYPES[a.dtype], optimizer=a.optimizer,
-                       batch=a.batch, device=a.device, offload=a.offload, granularity=a.granularity,
-                       shard_params=a.shard_params, host_memory=a.host_memory,
-                       optimizer_offload=a.optimizer_offload, tile=a.tile), flush=True)
-    return 0
+    from autosp.run.answer import at_length, longest
+    from autosp.run.config import step_of
+    step = step_of(a, "plan")
+    if step.seq_len is not None:
+        fit = at_length(step)
+        print(fit.text(), flush=True)
+        return 0 if fit.fits else 2
+    report = longest(step, granularity=a.granularity)
+    print(report.text, flush=True)
+    return 0 if report.ok else 2
 
 
 def _explain(a) -> int:
+    from autosp.run.config import step_of
     from autosp.run.explain import explain_model
-    budget = _budget(a.memory_budget)
-    png = a.png or f"explain-{os.path.basename(os.path.normpath(a.model))}-s{a.seq_len}-sp{a.sp}.png"
-    print(explain_model(a.model, seq_len=a.seq_len, sp=a.sp, budget=budget, dtype=_DTYPES[a.dtype], batch=a.batch,
-                        device=a.device, full=a.full, png=png), flush=True)
+    step = step_of(a, "explain")
+    png = a.png or f"explain-{os.path.basename(os.path.normpath(step.model))}-s{step.seq_len}-sp{step.sp}.png"
+    print(explain_model(step, full=a.full, png=png), flush=True)
     return 0
 
 
@@ -289,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(a)
         return _explain(a)
     except AutospError as exc:
-        rank = os.environ.get("RANK") if _in_torchrun() else None
+        from autosp.run.config import in_torchrun
+        rank = os.environ.get("RANK") if in_torchrun() else None
         if rank is None or not os.environ.get("AUTOSP_LAUNCHED"):
             print(f"autosp {a.verb}: error{f' (rank {rank})' if rank else ''}: {exc}", file=sys.stderr, flush=True)
         if rank is not None:

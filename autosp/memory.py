@@ -1,11 +1,24 @@
-"""Measured memory: the peak bytes a step allocates on top of what was live before it.
+"""Measured memory: the peak bytes a step allocates, above what was live before it or in all.
 
 The profiler's allocation events (`profile_memory=True`) see every allocation through torch's
 allocator, including those inside collectives, attention and autograd.grad; the running sum
 of their sizes, in time order, peaks where the step does. (MemTracker misses op-internal
-buffers and refuses torch.autograd.grad.) On CUDA the allocator's own peak counter is used.
+buffers and refuses torch.autograd.grad.) On CUDA the allocator's own counters are used.
+
+`StepMeter` measures a training loop: each step's peak of allocated device bytes, model state
+included. On CUDA: `torch.cuda.max_memory_allocated`, reset at every step. On CPU torch keeps no
+such counter, so the profiler's allocation events are followed from before the model is built
+(their running sum is then the bytes allocated in all) through the first `steps` steps, in one
+profiler session per step so that each step's figure is known when it ends; later steps are not
+measured (the profiler slows a step). Host buffers (autosp.remat.offload.host_empty: the offload
+pool, ZeRO-Offload's state) come from numpy's allocator and are not among them, as a GPU's
+pinned host memory is not among its allocator's bytes.
 """
 from __future__ import annotations
+
+import contextlib
+import os
+import sys
 
 import torch
 
@@ -26,15 +39,114 @@ def peak_bytes(step, *tracked: torch.Tensor, device: str | None = None) -> tuple
     return max(run, default=0), out
 
 
+@contextlib.contextmanager
+def _quiet_stderr():
+    """The profiler's start and stop print `USDT ... profiler_start` lines on file descriptor 2, from C++:
+    a user's terminal should not see them, so fd 2 points at /dev/null while it starts or stops."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+class _Session:
+    """One profiler session recording allocation events, quiet on the terminal."""
+
+    def __init__(self):
+        from torch.profiler import ProfilerActivity, profile
+        self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _quiet_stderr():
+            self.prof.__enter__()
+
+    def close(self) -> list[int]:
+        """The signed sizes of the session's allocation events (frees negative), in time order."""
+        with _quiet_stderr():
+            self.prof.__exit__(None, None, None)
+        events = [e for e in self.prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        events.sort(key=lambda e: e.start_ns())
+        return [e.nbytes() for e in events]
+
+
 def allocation_trace(step) -> tuple[list[int], object]:
     """The running sum of allocated bytes after every allocation event of step() (for plots, tests)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    session = _Session()
+    try:
         out = step()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
+    finally:
+        sizes = session.close()
     run, cur = [], 0
-    for e in events:
-        cur += e.nbytes()
+    for n in sizes:
+        cur += n
         run.append(cur)
     return run, out
+
+
+class StepMeter:
+    """Each step's peak of allocated device bytes, everything allocated included (see the module docstring).
+
+        meter = StepMeter(device, steps=3)      # before the model is built
+        ...                                     # build the model, the optimizer
+        meter.begin()                           # right before the first step
+        for n in ...:
+            ...                                 # the step
+            peak = meter.lap()                  # its peak in bytes; None once the meter has stopped (CPU)
+    """
+
+    def __init__(self, device: torch.device, steps: int = 3):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.left = steps
+        self.live = 0                        # CPU: bytes allocated in all at the start of the session
+        self.session = None
+        if not self.cuda and steps > 0:
+            self.session = _Session()
+
+    @property
+    def kind(self) -> str:
+        return ("torch.cuda.max_memory_allocated, every step" if self.cuda else
+                "the profiler's allocation events, from before the model was built")
+
+    def _close(self) -> int:
+        """Close the CPU session; the peak of the running sum during it (and move `live` to its end)."""
+        top = cur = self.live
+        for n in self.session.close():
+            cur += n
+            top = max(top, cur)
+        self.live = cur
+        self.session = None
+        return top
+
+    def begin(self) -> None:
+        """The first step starts now (what came before, the model's building, is not a step's)."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.session is not None:
+            self._close()
+            self.session = _Session()
+
+    def lap(self) -> int | None:
+        """The peak of the step that ends now; the next one starts."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            peak = int(torch.cuda.max_memory_allocated(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return peak
+        if self.session is None:
+            return None
+        peak = self._close()
+        self.left -= 1
+        if self.left > 0:
+            self.session = _Session()
+        return peak
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None

@@ -12,10 +12,14 @@
 #  4. Ulysses pack/unpack bandwidth against a plain copy
 #  5. TFLOP/s forward and backward against SDPA's FLASH and cuDNN backends -- printed last
 #  6. masked_attention's kernel: packed documents against plain causal at the same length
+#  7. the whole step, planned and run (bench/plan_vs_train.py): a 1B-shaped Llama in bf16 on this one GPU (sp 1),
+#     `autosp plan --memory 24GiB` gives the longest length, `autosp train` runs it 3 steps: the CUDA memory
+#     model's prediction against torch.cuda.max_memory_allocated, and the step time (with --offload: the
+#     pinned pool on a side stream, if time is left)
 #
-# OUT_DIR holds 6 files: logs.tar.gz (every step's log), summary.txt, kernel_configs.json,
-# a2a_table.md, attention_table.md, masked_table.md (and the tarball's listing is in summary.txt).
-# Each step has its own time limit inside a total budget (GPU_CHECK_BUDGET seconds, default 400); a step that runs out
+# OUT_DIR holds 7 files: logs.tar.gz (every step's log), summary.txt, kernel_configs.json,
+# a2a_table.md, attention_table.md, masked_table.md, step_table.md (and the tarball's listing is in summary.txt).
+# Each step has its own time limit inside a total budget (GPU_CHECK_BUDGET seconds, default 580); a step that runs out
 # of time, or finds no time left, is named as cut. Exit status: 0 only if every step passed.
 set -uo pipefail
 
@@ -30,7 +34,7 @@ export AUTOSP_KERNEL_CONFIGS="$OUT/kernel_configs.json"
 export TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}"  # silence 3.9's warning; 3.6 ignores it
 unset TRITON_INTERPRET  # compiled kernels (the scripts set it themselves where there is no GPU)
 PY="${PYTHON:-python3}"
-BUDGET="${GPU_CHECK_BUDGET:-400}"
+BUDGET="${GPU_CHECK_BUDGET:-580}"
 START=$SECONDS
 STATUS=()
 FAILED=()
@@ -100,6 +104,16 @@ run_step a2a 35 "$PY" bench/bench_kernels.py a2a --out "$OUT/a2a_table.md"
 run_step table 90 "$PY" bench/bench_kernels.py table --out "$OUT/attention_table.md"
 run_step masked 45 "$PY" bench/bench_kernels.py masked --out "$OUT/masked_table.md"
 
+# 7. the whole step at the planned length: predicted against measured memory (no refusal check: CPU-only planning)
+run_step step 170 bash -c "$PY bench/plan_vs_train.py --models llama-3.2-1b --memory llama-3.2-1b=24GiB \
+  --precisions bf16 --offload no --sp 1 --device cuda --no-refuse --out $LOGS/step | tail -n 4 > $OUT/step_table.md; \
+  cat $OUT/step_table.md"
+if [ "$(limit_for 150)" -ge 150 ]; then      # with --offload only where its whole limit is left
+  run_step step_offload 150 bash -c "$PY bench/plan_vs_train.py --models llama-3.2-1b \
+    --memory llama-3.2-1b=24GiB --precisions bf16 --offload yes --sp 1 --device cuda --no-refuse \
+    --out $LOGS/step_offload | tail -n 1 >> $OUT/step_table.md"
+fi
+
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
 {
   echo "== summary ($((SECONDS - START))s total, budget ${BUDGET}s; logs in $OUT/logs.tar.gz)"
@@ -110,6 +124,7 @@ tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
   [ -f "$OUT/a2a_table.md" ] && cat "$OUT/a2a_table.md"
   echo
   [ -f "$OUT/masked_table.md" ] && cat "$OUT/masked_table.md" && echo
+  [ -f "$OUT/step_table.md" ] && cat "$OUT/step_table.md" && echo
   if [ -f "$OUT/attention_table.md" ]; then
     cat "$OUT/attention_table.md"
   else

@@ -156,3 +156,17 @@ def assert_every_rank(reports, rtol: float = RTOL) -> None:
            for r, report in enumerate(reports) for case, errs in report.items()
            for t, e in errs.items() if not e <= rtol]
     assert not bad, f"{len(bad)} tensors off the single device:\n" + "\n".join(bad[:30])
+
+
+def assert_peak(predicted: int, measured: int, *, atol: int = 0, rtol: float = 0.0, what: str = "") -> None:
+    """The memory model's prediction against the profiler's measured peak: within `atol` bytes or `rtol` of the
+    measurement (what the case measures: the exact cases to a few hundred bytes, the ring's to 2 %), and never
+    under it by more than 1 % (an under-prediction is a broken promise; an over-prediction only wastes memory)."""
+    import os
+    off = predicted - measured
+    if os.environ.get("AUTOSP_SHOW_PEAKS"):
+        print(f"peak {what}: predicted {predicted:,} measured {measured:,} ({off:+,} B, {off / measured:+.2e})")
+    assert off >= -0.01 * measured, f"{what}: predicted {predicted:,} B is under the measured {measured:,} B by more than 1 %"
+    assert abs(off) <= max(atol, rtol * measured), (
+        f"{what}: predicted {predicted:,} B, measured {measured:,} B ({off:+,} B, {off / measured:+.2e}); "
+        f"held to {atol} B or {rtol:g} of the measurement")

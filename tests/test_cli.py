@@ -50,6 +50,20 @@ def autosp(args, env=None, timeout=240):
     return p.returncode, p.stdout, p.stderr, time.perf_counter() - t0
 
 
+def autosp_together(runs: list[list[str]], timeout=240):
+    """Several `python -m autosp ARGS` at once (their imports and launchers overlap on the cores); (exit code,
+    stdout, stderr) of each, in order."""
+    env = {k: v for k, v in os.environ.items() if k != "AUTOSP_FAULT"}
+    env.update(PYTHONPATH=ROOT)
+    procs = [subprocess.Popen([sys.executable, "-m", "autosp", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env, cwd=ROOT) for args in runs]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=timeout)
+        out.append((p.returncode, stdout, stderr))
+    return out
+
+
 def losses(out) -> list[float]:
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line)["loss"] for line in f]
@@ -76,6 +90,7 @@ def processes_mentioning(text: str) -> list[int]:
 # ---------------------------------------------------------------- bad input: exit 2, a fix, nothing written
 
 def test_bad_input_exits_2_with_a_fix_and_writes_nothing(model, tmp_path, capsys, monkeypatch):
+    from autosp.run import config
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"
     big = tmp_path / "big.npy"
@@ -90,18 +105,34 @@ def test_bad_input_exits_2_with_a_fix_and_writes_nothing(model, tmp_path, capsys
         (train_args(model, out, "--seq-len", "1"), "at least 2 tokens"),
         (train_args(model, out, "--nnodes", "2", "--sp", "3"), "do not split over --nnodes"),
         *([(train_args(model, out, "--device", "cuda"), "no CUDA device")] if not torch.cuda.is_available() else []),
+        # the step's own flags, the same for every verb
+        (train_args(model, out, "--dtype", "uint32"), "--token-dtype uint16|uint32"),
+        (["plan", "--model", "tiny", "--memory", "1GiB", "--dtype", "bf16"], "--precision fp32|bf16"),
+        (train_args(model, out, "--sp", "4", "--ring", "3"), "--ring 3 does not divide --sp 4"),
+        (["plan", "--model", "tiny", "--sp", "4", "--ring", "3", "--memory", "1GiB"], "--ring one of [1, 2, 4]"),
+        (train_args(model, out, "--offload", "--host-memory", "1"), "no host memory is left for activations"),
+        (train_args(model, out, "--optimizer", "sgd", "--optimizer-offload"), "offloaded optimizer is AdamW"),
+        (train_args(model, out, "--precision", "bf16", "--no-shard-params"), "leave out --no-shard-params"),
+        # a memory size that no length fits: the model state alone (1-layer model: 0.53 MiB per rank)
+        (train_args(model, out, "--memory", "256KiB"), "the model state alone needs"),
+        (["plan", "--model", "tiny", "--sp", "2", "--memory", "1MiB"], "the model state alone needs"),
+        (["plan", "--model", "tiny", "--sp", "2"], "no --memory and no --seq-len"),
         (["plan", "--model", "tiny", "--sp", "2", "--memory", "eighty"], "not a size"),
         (["plan", "--model", "tiny", "--sp", "2", "--memory", "1GiB", "--granularity", "3"], "a multiple of 2"),
-        (["plan", "--model", "llama-3.1-8b", "--sp", "8", "--memory", "1GiB", "--device", "cpu", "--offload"],
-         "--device cuda"),
         (["plan", "--model", "tiny", "--sp", "2", "--memory", "1GiB", "--host-memory", "lots"], "--host-memory lots"),
     ]
     for argv, hint in cases:
         assert main(argv) == 2, argv
-        err = capsys.readouterr().err
-        assert hint in err and "Fix:" in err, (argv, err)
-    for argv, hint in ([["train", "--sp", "0"], "must be positive"], [["plan", "--model", "tiny"], "required"],
-                       [["frobnicate"], "invalid choice"]):
+        captured = capsys.readouterr()
+        text = captured.err + captured.out
+        assert hint in text and "Fix:" in text, (argv, text)
+    # bf16 on a torch that cannot compute it on the device: refused before anything runs
+    monkeypatch.setattr(config, "BF16_CHECK", lambda device: "RuntimeError: no bf16 kernels")
+    assert main(train_args(model, out, "--precision", "bf16")) == 2
+    err = capsys.readouterr().err
+    assert "cannot compute in bfloat16 on cpu (RuntimeError: no bf16 kernels). Fix: --precision fp32" in err, err
+    for argv, hint in ([["train", "--sp", "0"], "must be positive"], [["plan", "--sp", "2"], "required"],
+                       [["frobnicate"], "invalid choice"], [["train", "--precision", "fp16"], "invalid choice"]):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 2
@@ -202,17 +233,68 @@ def test_sp2_trains_what_one_device_trains(tmp_path):
     """The main job against one device: `autosp train --sp 2` and `--sp 1` on the tiny preset give
     the same loss at every step (fp32, relative 1e-5; about 1e-7 measured), parameters updated
     from the sharded gradients included."""
-    got = {}
-    for sp in (1, 2):
-        out = tmp_path / f"sp{sp}"
-        rc, _, stderr, _ = autosp(["train", "--model", "tiny", "--sp", str(sp), "--seq-len", "48", "--batch", "2",
-                                   "--steps", "3", "--timeout", "60", "--out", str(out)])
+    runs = [["train", "--model", "tiny", "--sp", str(sp), "--seq-len", "48", "--batch", "2", "--steps", "3",
+             "--timeout", "60", "--out", str(tmp_path / f"sp{sp}")] for sp in (1, 2)]
+    for rc, _, stderr in autosp_together(runs):
         assert rc == 0, stderr
-        got[sp] = losses(out)
+    got = {sp: losses(tmp_path / f"sp{sp}") for sp in (1, 2)}
     assert len(got[1]) == len(got[2]) == 3
     rel = [abs(a - b) / abs(b) for a, b in zip(got[2], got[1])]
     print(f"--sp 2 against --sp 1, relative loss difference per step: {rel}")      # -s shows it
     assert max(rel) <= 1e-5, f"--sp 2 losses {got[2]} vs --sp 1 {got[1]}: relative differences {rel}"
+
+def test_train_runs_what_plan_promises_within_its_memory(model, tmp_path, capsys):
+    """`autosp plan --memory M` answers the longest length L and the command that trains it; that command runs
+    3 steps whose measured peak per rank (the profiler's allocation events, model state included) is at most M
+    and within 1 % of the plan's prediction (measured: 0.01 %); one granule longer, train refuses before
+    anything runs (exit 2), naming L. (plan and the refusal run in this process: neither starts a rank.)"""
+    import shlex
+    assert main(["plan", "--model", model, "--sp", "2", "--memory", "4MiB"]) == 0
+    stdout = capsys.readouterr().out
+    command = stdout.strip().splitlines()[-1].strip()
+    assert command.startswith("autosp train "), stdout
+    argv = shlex.split(command)[1:]
+    length = int(argv[argv.index("--seq-len") + 1])
+    assert length == _rows(stdout)["SP=2, ILP plan (save/recompute)"] > _rows(stdout)["SP=2, no remat"]
+    out = tmp_path / "run"
+    rc, stdout, stderr, _ = autosp(argv + ["--steps", "3", "--out", str(out), "--timeout", "60"])
+    assert rc == 0, stderr
+    assert "predicted peak per rank:" in stdout and "USDT" not in stdout + stderr, stdout + stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    memory = 4 * 2**20
+    assert all(row["memory_bytes"] == memory and len(row["peak_mem_bytes"]) == 2 for row in rows), rows
+    # the run's peak: the largest over its steps and ranks (the first step's is lower: AdamW's moments are made by
+    # its first update, after that step's peak)
+    measured = max(m for row in rows for m in row["peak_mem_bytes"])
+    predicted = rows[0]["predicted_peak_bytes"][0]
+    assert measured <= memory and predicted <= memory, (measured, predicted)
+    assert abs(measured - predicted) <= 0.01 * predicted, (measured, predicted)
+    assert "memory     measured peak" in stdout
+    # one granule (sp x 64 tokens) longer: refused before any rank starts, nothing written
+    longer = argv.copy()
+    longer[argv.index("--seq-len") + 1] = str(length + 128)
+    refused = tmp_path / "refused"
+    assert main(longer + ["--steps", "3", "--out", str(refused)]) == 2
+    stderr = capsys.readouterr().err
+    assert f"{length + 128:,} tokens do not fit in 4.00 MiB per rank" in stderr, stderr
+    assert f"Fix: --seq-len {length} (the longest length these flags fit" in stderr, stderr
+    assert not refused.exists()
+
+
+def test_bf16_sp2_follows_bf16_sp1(tmp_path):
+    """--precision bf16 (FSDP2's mixed precision: fp32 master weights and AdamW state, bf16 compute) at sp 2
+    against sp 1 (one rank's master weights), 5 steps of the tiny preset: the losses agree within bf16's
+    resolution, 2^-8 relative (measured: 0, 9e-6, 1.3e-5, 6.9e-5, 4.2e-4)."""
+    runs = [["train", "--model", "tiny", "--sp", str(sp), "--seq-len", "48", "--batch", "2", "--steps", "5",
+             "--precision", "bf16", "--timeout", "60", "--out", str(tmp_path / f"sp{sp}")] for sp in (1, 2)]
+    for rc, stdout, stderr in autosp_together(runs):
+        assert rc == 0, stderr
+        assert ", bf16;" in stdout, stdout
+    got = {sp: losses(tmp_path / f"sp{sp}") for sp in (1, 2)}
+    rel = [abs(a - b) / abs(b) for a, b in zip(got[2], got[1])]
+    print(f"bf16 --sp 2 against --sp 1, relative loss difference per step: {rel}")      # -s shows it
+    assert len(rel) == 5 and max(rel) <= 2**-8, (got, rel)
+
 
 # ---------------------------------------------------------------- model state: sharded, replicated, offloaded
 
@@ -355,8 +437,11 @@ def _rows(text: str) -> dict[str, int]:
 
 
 def test_plan_orders_the_three_configurations(model):
-    from autosp.run.plan import fmt, plan_lengths
-    text = plan_lengths(model, sp=2, memory="24MiB", dtype="float32", device="cpu", parallel=False)
+    from autosp.run.answer import longest
+    from autosp.run.config import Step
+    from autosp.run.plan import fmt
+    report = longest(Step(model, sp=2, memory="24MiB"), parallel=False)
+    text = report.text
     rows = _rows(text)
     assert set(rows) == {"no SP", "SP=2, no remat", "SP=2, ILP plan (save/recompute)"}, text
     assert rows["no SP"] < rows["SP=2, no remat"] <= rows["SP=2, ILP plan (save/recompute)"]
@@ -371,8 +456,11 @@ def test_plan_orders_the_three_configurations(model):
     assert f"{fmt(2 * master)} parameter gathers and gradient reduce-scatters" in no_sp, no_sp
     assert "no separate all-reduce" in text and "host memory per node: 1.00 TiB (assumed" in text
 
-    old = plan_lengths(model, sp=2, memory="24MiB", dtype="float32", device="cpu", parallel=False,
-                       shard_params=False)
+    # the answer ends with the command that trains the ILP row's length with these flags
+    assert report.ok and report.length == rows["SP=2, ILP plan (save/recompute)"]
+    assert text.splitlines()[-1] == (f"  autosp train --model {model} --sp 2 --seq-len {report.length} --batch 1 "
+                                     "--precision fp32 --device cpu --memory 24MiB"), text.splitlines()[-1]
+    old = longest(Step(model, sp=2, memory="24MiB", shard_params=False), parallel=False).text
     assert f"model state per rank (replicated over sp and dp): parameters {fmt(2 * master)}," in old, old
     assert "Gradients are all-reduced over sp by ring" in old and "parameter gathers" not in old
     assert set(_rows(old)) == set(rows)
@@ -424,7 +512,8 @@ def test_a_plan_priced_at_two_lengths_is_exact_at_a_third():
 def test_plan_shards_the_model_state_over_the_ranks(capsys):
     # 8B over 8 ranks: (4 master + 4 gradient + 8 AdamW moments) bytes per parameter / 8. The memory is too
     # small for that, so the command answers from the model state at once.
-    assert main(["plan", "--model", "llama-3.1-8b", "--sp", "4", "--dp", "2", "--memory", "10GiB"]) == 0
+    # (on the GPUs it plans for: --device cuda, whose default precision is bf16; nothing fits: exit code 2)
+    assert main(["plan", "--model", "llama-3.1-8b", "--sp", "4", "--dp", "2", "--memory", "10GiB", "--device", "cuda"]) == 2
     out = capsys.readouterr().out
     assert ("model state per rank (sharded over 8 ranks, dp 2 x sp 4: Shard(0) as FSDP2 lays it out, mixed "
             "precision): fp32 master parameters 3.74 GiB, fp32 gradients 3.74 GiB (counted in the step's peak), "
@@ -432,11 +521,12 @@ def test_plan_shards_the_model_state_over_the_ranks(capsys):
             "8 ranks; the bfloat16 compute copy (2 bytes per parameter, 14.96 GiB for the whole model)") in out, out
     assert "the model state alone needs 14.96 GiB, 4.96 GiB more than the 10.00 GiB per rank" in out
     assert "Fix: more ranks to shard it over (--dp)" in out
-    assert main(["plan", "--model", "llama-3.1-8b", "--sp", "8", "--memory", "5GiB", "--optimizer", "sgd"]) == 0
+    assert main(["plan", "--model", "llama-3.1-8b", "--sp", "8", "--memory", "5GiB", "--optimizer", "sgd",
+                 "--device", "cuda"]) == 2
     out = capsys.readouterr().out
     assert "fp32 gradients 3.74 GiB (counted in the step's peak), sgd no state = 7.48 GiB" in out, out
     assert "host memory per node: 1.00 TiB (assumed; pass --host-memory)" in out
-    from autosp.run.plan import _host_line          # what the ILP plan offloads, per node, against --host-memory
+    from autosp.run.answer import _host_line          # what the ILP plan offloads, per node, against --host-memory
     line = _host_line(2**30, True, 16, True, 200 * 2**20)
     assert "200.00 MiB per rank of activations offloaded by the ILP plan, 1.56 GiB per node at 8 ranks" in line
     assert "576.00 MiB more than the node has. Fix: --host-memory" in line, line
@@ -447,11 +537,12 @@ def test_plan_offloads_within_each_ranks_share_of_the_node_host_memory(tmp_path)
     layers: one layer's step peaks in its own backward, where nothing offloaded is live (offloading lengthens
     no plan of it once its checkpoints are found; measured)."""
     import re
-    from autosp.run.plan import plan_lengths
+    from autosp.run.answer import longest
+    from autosp.run.config import Step
     (tmp_path / "config.json").write_text(json.dumps(dict(CONFIG, num_hidden_layers=4)))
     model = str(tmp_path)
-    text = plan_lengths(model, sp=2, memory="24MiB", dtype="float32", device="cuda", offload=True, parallel=False,
-                        host_memory="64MiB")
+    step = Step(model, sp=2, memory="24MiB", device="cuda", offload=True, host_memory="64MiB")
+    text = longest(step, parallel=False).text
     line = next(x for x in text.splitlines() if x.startswith("host memory per node"))
     assert "64.00 MiB (--host-memory), 32.00 MiB per rank at 2 per node (the ILP plan's host capacity)" in line, line
     got = re.search(r"planned on the host: ([0-9.]+) (KiB|MiB) per rank", line)
@@ -459,16 +550,17 @@ def test_plan_offloads_within_each_ranks_share_of_the_node_host_memory(tmp_path)
     assert "the transfers to host and back take" in line and "ms per step" in line, line
     assert "SP=2, ILP plan (save/recompute/offload)" in text
     # offloading lengthens the row: the plan without it is one of those the search weighs
-    without = plan_lengths(model, sp=2, memory="24MiB", dtype="float32", device="cuda", parallel=False)
+    without = longest(Step(model, sp=2, memory="24MiB", device="cuda"), parallel=False).text
     assert _rows(text)["SP=2, ILP plan (save/recompute/offload)"] > _rows(without)["SP=2, ILP plan (save/recompute)"]
 
 
 def test_plan_without_sharding_says_when_the_model_state_alone_does_not_fit(capsys):
-    assert main(["plan", "--model", "llama-3.1-8b", "--sp", "8", "--memory", "80GiB", "--no-shard-params"]) == 0
+    assert main(["plan", "--model", "llama-3.1-8b", "--sp", "8", "--memory", "80GiB", "--no-shard-params",
+                 "--device", "cuda", "--precision", "fp32"]) == 2
     out = capsys.readouterr().out
-    assert ("model state per rank (replicated over sp and dp): parameters 14.96 GiB, gradients 14.96 GiB (counted "
-            "in the step's peak), adamw 2 fp32 moments 59.83 GiB = 89.75 GiB") in out, out
-    assert "the model state alone needs 89.75 GiB, 9.75 GiB more than the 80.00 GiB per rank" in out
+    assert ("model state per rank (replicated over sp and dp): parameters 29.92 GiB, gradients 29.92 GiB (counted "
+            "in the step's peak), adamw 2 fp32 moments 59.83 GiB = 119.66 GiB") in out, out
+    assert "the model state alone needs 119.66 GiB, 39.66 GiB more than the 80.00 GiB per rank" in out
     assert "Fix: leave out --no-shard-params (sharded over the 8 ranks: about 14.96 GiB per rank)" in out
 
 

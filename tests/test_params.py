@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.dist import run_ranks
-from tests.models import assert_every_rank, rank_errors, reference
+from tests.models import assert_every_rank, assert_peak, rank_errors, reference
 
 EXTRA = {"extra": (3, 5), "temperature": ()}     # a first dim smaller than 4 ranks (one empty shard), a scalar
 
@@ -155,14 +155,15 @@ def _checkpoint_job(rank, world, path, save):
             for k, p in sharded.items():
                 p.grad = grads[k]
             opt.step()
-        dcp.save({"params": sharded, "moments": _moments(opt, sharded)}, checkpoint_id=path)
+        state = {"params": sharded, "moments": _moments(opt, sharded)}
+        dcp.save(state, checkpoint_id=path)
     else:
         state = {"params": {k: torch.zeros_like(v) for k, v in sharded.items()},
                  "moments": {k: torch.zeros_like(v) for k, v in _moments_like(sharded).items()}}
         dcp.load(state, checkpoint_id=path)
-        sharded = state["params"]
-    full = {k: v.full_tensor() for k, v in sharded.items()}
-    return {k: v.sum().item() for k, v in full.items()}, world
+    # every parameter and both AdamW moments of each, gathered whole
+    return {f"{part}.{k}": v.detach().full_tensor() for part in ("params", "moments")
+            for k, v in state[part].items()}, world
 
 
 def _moments(opt, params):
@@ -177,9 +178,12 @@ def test_checkpoint_written_at_4_ranks_loads_at_2(tmp_path):
     saved = run_ranks(_checkpoint_job, 4, str(tmp_path / "ckpt"), True)
     loaded = run_ranks(_checkpoint_job, 2, str(tmp_path / "ckpt"), False)
     want = saved[0][0]
+    assert len(want) == 3 * sum(k.startswith("params.") for k in want)   # each parameter and its two moments
+    assert all(v.abs().sum() > 0 for k, v in want.items() if ".exp_avg" in k), "the moments were never stepped"
     for got, world in loaded:
-        assert world == 2
-        assert got == pytest.approx(want, rel=0, abs=0), "resharded checkpoint differs"
+        assert world == 2 and got.keys() == want.keys()
+        differ = [k for k in want if not torch.equal(got[k], want[k])]
+        assert not differ, f"resharded checkpoint differs in {differ}"
 
 
 def _count_job(rank, world):
@@ -259,7 +263,7 @@ def test_memory_with_sharded_parameters_is_the_planned_and_the_state_is_split():
     the parameters' size) over the ranks, plus one layer's gathered parameters."""
     for rows, state, whole, layer in run_ranks(_memory_job, 2, 1024, [1.0, 0.6, "least"], fresh=True):
         for b, measured, predicted in rows:
-            assert abs(predicted - measured) <= 0.05 * measured, (b, measured, predicted)
+            assert_peak(predicted, measured, atol=512, rtol=1e-4, what=f"sharded parameters, budget {b}")
         assert state <= 1.05 * (4 * whole / 2) + layer, (state, whole, layer)
 
 

@@ -275,7 +275,9 @@ def simulate(graph: Graph, counted=(), keep=(), base: int = 0, host=(), detail: 
             if last.get(x) == i:
                 release(x)
         for v in e.outputs:
-            if v.name not in last:
+            # never read again (a recomputed op's other outputs, read before, if at all): freed at once, as
+            # the lowered program drops a value after its last reader
+            if last.get(v.name, -1) <= i:
                 release(v.name)
         after.append(cur)
     if tracked is not None:

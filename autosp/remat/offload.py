@@ -7,8 +7,10 @@ right before the first use, so the transfer overlaps the equations in between. O
 is no device to leave: the value is copied into a host buffer and back, so the rewritten
 program is exercised (and its results tested) exactly as on a GPU. Host buffers on both come
 from pools kept across steps (`_HostPool`; pinned for a GPU): a pinned allocation costs
-milliseconds and serialises with the device, and, as on a GPU, the CPU's host copies are not
-the step's allocations, so the memory model (which counts device bytes only) is the measurement.
+milliseconds and serialises with the device. On CPU the host buffers come from numpy's allocator,
+not torch's: what torch allocates stands for the device's memory (the profiler's allocation events
+measure it), and the host copies stay out of it, as a GPU's pinned buffers stay out of its
+allocator, so the memory model (device bytes only) is what is measured on both.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ class _HostPool:
         slots = self.slots.setdefault((tuple(x.shape), x.dtype, stride, x.device), [])
         slot = next((k for k, (_, ref) in enumerate(slots) if ref() is None), None)
         if slot is None:
-            buf = torch.empty_strided(x.shape, stride, dtype=x.dtype, device="cpu", pin_memory=self.pin)
+            buf = host_empty_strided(x.shape, stride, x.dtype, pin=self.pin)
             slots.append((buf, None))
             slot = len(slots) - 1
         buf = slots[slot][0]
@@ -60,6 +62,22 @@ class _HostPool:
     def nbytes(self) -> int:
         """Host bytes the pool holds (free or handed out)."""
         return sum(buf.nbytes for slots in self.slots.values() for buf, _ in slots)
+
+
+def host_empty_strided(shape, stride, dtype: torch.dtype, *, pin: bool = False) -> Tensor:
+    """An uninitialised host tensor: pinned by torch for a GPU's asynchronous copies; otherwise from numpy's
+    allocator, outside the bytes torch allocates (which stand for the device's on CPU)."""
+    if pin:
+        return torch.empty_strided(shape, stride, dtype=dtype, device="cpu", pin_memory=True)
+    import numpy as np
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(n > 0 for n in shape) else 0
+    raw = torch.from_numpy(np.empty(max(span, 1) * dtype.itemsize, dtype=np.uint8))
+    return raw.view(dtype).as_strided(tuple(shape), tuple(stride))
+
+
+def host_empty(shape, dtype: torch.dtype, *, pin: bool = False) -> Tensor:
+    """host_empty_strided, contiguous."""
+    return host_empty_strided(shape, torch.empty(shape, dtype=dtype, device="meta").stride(), dtype, pin=pin)
 
 
 _host_pool = _HostPool()                  # the CPU path's copies

@@ -27,8 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
 from autosp.run import faults
 from autosp.run.optim import OffloadedAdamW
@@ -64,8 +63,8 @@ def set_rng_state(state: dict) -> None:
 
 
 def _state(model, opt, extra: dict) -> dict:
-    if isinstance(opt, OffloadedAdamW):
-        msd, osd = get_model_state_dict(model), opt.named_state()
+    if isinstance(opt, OffloadedAdamW):               # the weights are the fp32 masters (the device may hold bf16)
+        msd, osd = {**get_model_state_dict(model), **opt.named_masters(model)}, opt.named_state()
     else:
         msd, osd = get_state_dict(model, opt)
     rank = dist.get_rank()
@@ -117,8 +116,7 @@ def load(path: str, model, opt, extra: dict) -> dict:
     if not any(k.startswith(key) for k in meta.state_dict_metadata):
         state.pop(key)                            # saved by fewer ranks: keep this rank's RNG as seeded
     dcp.load(state, checkpoint_id=path)
-    if isinstance(opt, OffloadedAdamW):
-        set_model_state_dict(model, state["model"])
+    if isinstance(opt, OffloadedAdamW):               # the masters were loaded in place; the device follows them
         opt.load_named_state(state["optim"])
     else:
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -12,9 +12,9 @@ from collections import Counter
 import torch
 
 from autosp.errors import AutospError
-from autosp.run.meshes import fake_world, planning_mesh
+from autosp.run.meshes import fake_world
 from autosp.run.models import describe, model_config
-from autosp.run.plan import Tracer, _step, fmt
+from autosp.run.plan import _step, fmt
 
 _COLLECTIVES = {"all_to_all", "all_reduce_sum", "all_gather_seq", "shard_slice", "unshard_grad"}
 
@@ -84,22 +84,34 @@ def plot_timelines(png: str, curves: list[tuple[str, list[int], int]], budget: i
     return png
 
 
-def explain_model(model: str, *, seq_len: int, sp: int, budget, dtype: str = "float32", batch: int = 1,
-                  device: str = "cpu", full: bool = False, png: str | None = None) -> str:
+def explain_model(step, *, full: bool = False, png: str | None = None) -> str:
+    """`autosp explain` of a Step (run/config.py): its program and the plan `autosp train` would run, under
+    --memory-budget, or the budget --memory leaves the step, or half the no-remat peak."""
     import autosp
-    spec = model_config(model)
-    with fake_world(sp):
-        mesh = planning_mesh(sp)
-        tracer = Tracer(spec, mesh, getattr(torch, dtype), batch, sp)
+    from autosp.run.answer import _tracer, model_state
+    spec = model_config(step.model)
+    seq_len, sp, batch, device = step.seq_len, step.sp, step.rank_batch, step.device
+    dtype = step.dtype
+    with fake_world(step.world):
+        tracer = _tracer(step, spec)
+        st = model_state(step, tracer.param_bytes)
+        budget = step.step_budget(st.resident + step.token_bytes())
+        budget = 0.5 if budget is None else budget
         if full:
             ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
-            text = autosp.explain(tracer.loss_fn, mesh, tracer.params, ids, ids, memory_budget=budget)
+            text = autosp.explain(tracer.loss_fn, tracer.mesh, tracer.params, ids, ids, memory_budget=budget,
+                                  ring=step.ring, host_bandwidth=step.host_bandwidth,
+                                  host_memory=step.activation_host_bytes(st.host))
         p = tracer.trace(seq_len)
         none_plan, none_prog = _step(p.local, None, device)
         try:
-            plan, prog = _step(p.local, budget, device)
+            from autosp.remat import plan_step
+            plan, prog, _, _ = plan_step(p.local, budget, device=device, host_bandwidth=step.host_bandwidth,
+                                         host_memory=step.activation_host_bytes(st.host),
+                                         tiles=None if step.tile else {})
         except AutospError as exc:
             raise AutospError(f"--memory-budget {budget}: {exc}") from None
+    model = step.model
     head = [f"autosp explain: {describe(spec)}",
             f"  sequence {seq_len:,} over sp={sp} ({seq_len / sp:,.0f} per rank), batch {batch}, {dtype}; "
             f"{len(p.graph.eqns)} global equations -> {len(p.local.eqns)} per rank; "

@@ -158,7 +158,7 @@ def describe_failure(err, out: str | None, timeout: float | None = None) -> tupl
 
 def launcher_args(a, argv: list[str]) -> list[str]:
     """torch.distributed.run's command line for `autosp train` with these arguments."""
-    world = a.sp * a.dp
+    world = a.step.world
     nnodes = a.nnodes
     nproc = a.nproc_per_node
     if nproc is None:
@@ -184,8 +184,8 @@ def launch(a, argv: list[str]) -> int:
         for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ[LAUNCHED] = "1"
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, a.nproc_per_node or
-                                                                                    a.sp * a.dp))))
+    ranks = a.nproc_per_node or a.step.world
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, ranks))))
     targs = get_args_parser().parse_args(launcher_args(a, argv))
     try:
         run(targs)

@@ -1,12 +1,9 @@
-"""Metrics of a run: one JSON line per step in DIR/metrics.jsonl, a loss curve in DIR/loss.png,
-and the per-rank peak memory that the progress bar shows."""
+"""Metrics of a run: one JSON line per step in DIR/metrics.jsonl (its loss, speed, and each rank's
+measured peak of allocated device memory beside the plan's prediction), and a loss curve in DIR/loss.png."""
 from __future__ import annotations
 
 import json
 import os
-import resource
-
-import torch
 
 
 def read(path: str) -> list[dict]:
@@ -39,18 +36,6 @@ class Writer:
 
     def close(self) -> None:
         self._f.close()
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """This process's peak memory: the CUDA allocator's peak on GPU; on CPU the peak resident set
-    size (getrusage's ru_maxrss: everything the process ever held, the Python runtime and torch's
-    libraries included; cheap enough to read every step, unlike the profiler's allocation events)."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-MEMORY_KIND = {"cpu": "peak RSS", "cuda": "peak allocated"}
 
 
 def plot_loss(metrics_path: str, png_path: str, title: str) -> str | None:

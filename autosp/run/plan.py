@@ -1,4 +1,4 @@
-"""`autosp plan`: the longest sequence each rank can train, from the memory model; nothing runs.
+"""`autosp plan`'s probes: the longest sequence each rank can train, from the memory model (answer.py writes the answers).
 
 For a model, a mesh (sp, dp) and a memory size per rank it answers for three configurations:
 no sequence parallelism (every sequence whole on every rank), SP without remat, and SP with
@@ -35,19 +35,16 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from autosp.errors import AutospError
-from autosp.run.meshes import fake_world, planning_mesh
-from autosp.run.models import build_model, count_parameters, describe, model_config
+from autosp.run.meshes import planning_mesh
+from autosp.run.models import build_model, count_parameters
 
 _MOMENTS = {"adamw": 2, "sgd": 0}            # fp32 optimizer moments per parameter
-_HOST_MEMORY = 2**40                        # host memory per node when --host-memory is not given
-_RANKS_PER_NODE = 8                         # what the host line assumes (an 8-GPU node)
 _COLLECTIVES = ("all_to_all", "all_reduce_sum", "all_gather_seq", "all_gather_param", "reduce_scatter_param")
 
 
@@ -58,19 +55,6 @@ def fmt(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
-
-
-def parse_memory(text: str, flag: str = "--memory") -> int:
-    from autosp.remat import parse_budget
-    try:
-        kind, value = parse_budget(text)
-    except AutospError:
-        kind = None
-    if kind != "bytes":
-        what = "the memory per rank like 80GiB, 141GB or 24e9" if flag == "--memory" else \
-            "the host memory per node like 1TiB, 2TB or 1e12"
-        raise AutospError(f"{flag} {text}: not a size. Fix: write {what}.")
-    return int(value)
 
 
 # ---------------------------------------------------------------- programs at one length
@@ -86,33 +70,44 @@ class Programs:
     single: object | None
 
 
+def master_bytes(model, ranks: int, sharded: bool, dtype) -> int:
+    """Bytes of one rank's parameters as the step keeps them across steps, from the model's global shapes:
+    sharded, the fp32 master shard of the fullest rank (ceil(rows / ranks) rows of every parameter, FSDP2's
+    split; a scalar whole); else every parameter in `dtype`. The planner and the training ranks both count
+    with it, so the budget a rank plans under is the one `autosp plan` answered for."""
+    if not sharded:
+        return sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    total = 0
+    for p in model.parameters():
+        rows = p.shape[0] if p.ndim else 1
+        total += min(-(-rows // ranks), rows) * (p.numel() // max(1, rows)) * 4
+    return total
+
+
 class Tracer:
     """Meta traces of one model on one planning mesh, at any length. `shard_params`: the parameters
     are fp32 master shards over every rank of the mesh (autosp.shard_params, FSDP2's layout), gathered
-    in `dtype` and their gradients reduce-scattered in fp32; else replicated in `dtype`."""
+    in `dtype` and their gradients reduce-scattered in `reduce_dtype`; else replicated in `dtype`.
+    `ring`: autosp.shard's (attention over sp = U x R)."""
 
-    def __init__(self, spec, mesh, dtype, batch: int, sp: int, *, shard_params: bool = False):
+    def __init__(self, spec, mesh, dtype, batch: int, sp: int, *, shard_params: bool = False, ring: int | None = None,
+                 reduce_dtype=torch.float32):
         import autosp
         from autosp.api import mesh_info
-        self.sp = sp
+        self.sp, self.ring = sp, ring
         self.sharded = shard_params
         self.model = build_model(spec, device="meta", dtype=torch.float32 if shard_params else dtype)
         params = {k: v.detach().requires_grad_(True) for k, v in self.model.named_parameters()}
         self.mesh, self.batch = mesh, batch
         self.n_params = count_parameters(self.model)
         self.single_mesh = None
+        self.ranks = mesh.size() if shard_params else 1
+        self.param_bytes = master_bytes(self.model, self.ranks, shard_params, dtype)
+        self.compute_bytes = self.n_params * dtype.itemsize     # the gathered copy of the whole model
         if shard_params:
             params = autosp.shard_params(params, mesh, param_dtype=None if dtype == torch.float32 else dtype,
-                                         reduce_dtype=torch.float32)
-            self.ranks = mesh.size()
+                                         reduce_dtype=reduce_dtype)
             self.single_mesh = mesh if mesh_info(mesh).sp_size == 1 else planning_mesh(1, self.ranks)
-            local = [p.to_local() for p in params.values()]    # rank 0's: the fullest (chunk rows)
-            self.param_bytes = sum(t.numel() * t.element_size() for t in local)
-            self.compute_bytes = self.n_params * dtype.itemsize  # the gathered copy of the whole model
-        else:
-            self.ranks = 1
-            self.param_bytes = sum(p.numel() * p.element_size() for p in params.values())
-            self.compute_bytes = self.param_bytes
         self.params = params
 
     def loss_fn(self, params, input_ids, labels):
@@ -146,7 +141,7 @@ class Tracer:
         import autosp
         from autosp.trace import without_sources
         ids = torch.zeros(self.batch, length, dtype=torch.long, device="meta")
-        sharded = autosp.shard(self.loss_fn, mesh)
+        sharded = autosp.shard(self.loss_fn, mesh, ring=self.ring if mesh is self.mesh else None)
         try:
             with without_sources():
                 return sharded.graphs(self.params, ids, ids, global_graph=global_graph)
@@ -305,7 +300,7 @@ def probe_short(tracer, l1: int, l2: int, device: str):
 
 
 def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory: int | None = None,
-               fit=None, tiled: bool = True):
+               fit=None, tiled: bool = True, host_bw: float | None = None):
     """The plan with the least peak found at l2 (its tiling of the position-wise chains included),
     replayed on the step at l1 (the same values saved, recomputed and offloaded): its price at both
     lengths. With offload under a host capacity the least-peak plan would
@@ -322,7 +317,7 @@ def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory
 
     def least(cap):
         plan, program, joint, _ = plan_step(p.local, "least", device=device, offload=offload, refine=False,
-                                            host_memory=cap, tiles=deep)
+                                            host_memory=cap, tiles=deep, host_bandwidth=host_bw)
         decisions = (program.saved, _recomputed(joint, program), program.offloaded)
         tiles = {name: k for name, k, _, _ in plan.tiling}
         if not short:
@@ -420,7 +415,7 @@ def check_affine(a: list, l1: int, b: list, l2: int) -> None:
 
 
 def probe(tracer, l1: int, l2: int, device: str, offload: bool, parallel: bool = True,
-          host_memory: int | None = None, fit=None, tiled: bool = True) -> Probe:
+          host_memory: int | None = None, fit=None, tiled: bool = True, host_bw: float | None = None) -> Probe:
     """Both probe lengths: the no-remat programs here, the least-peak search at l2 (the slowest part) and
     its plan's replay on the step at l1 in a forked process, so that a fixed program is priced at both
     lengths (its bytes are affine in the length). Each process differentiates each of its programs once,
@@ -430,7 +425,7 @@ def probe(tracer, l1: int, l2: int, device: str, offload: bool, parallel: bool =
     try:
         profiles, (found, priced, decisions) = _both(
             lambda: probe_short(tracer, l1, l2, device),
-            lambda: probe_long(tracer, l1, l2, device, offload, host_memory, fit, tiled), parallel)
+            lambda: probe_long(tracer, l1, l2, device, offload, host_memory, fit, tiled, host_bw), parallel)
     finally:
         tracer.shared = None
         shared.close()
@@ -569,256 +564,3 @@ class Row:
 def _line(a: float, l1: int, b: float, l2: int):
     """The affine function through (l1, a) and (l2, b)."""
     return Affine.fit(l1, np.array([a], dtype=np.float64), l2, np.array([b], dtype=np.float64))
-
-
-
-
-@dataclass
-class ModelState:
-    """The model state one rank holds through the step (bytes), and how it is laid out."""
-    params: int                     # replicated: the parameters in the compute dtype; sharded: the fp32 master shard
-    grads: int                      # the parameters' gradients (or gradient shard): in the step's peak
-    moments: int                    # the optimizer's (0 with --optimizer-offload: on host)
-    ranks: int                      # the ranks it is sharded over (1: replicated)
-    host: int = 0                   # --optimizer-offload: fp32 master, gradient and moments on host
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.moments
-
-
-def model_state(tracer, optimizer: str, offload: bool = False) -> ModelState:
-    """Replicated: parameters and gradients in the compute dtype and fp32 moments on every rank. Sharded
-    (FSDP2 mixed precision, autosp.shard_params): every rank keeps 1/N of the fp32 master parameters,
-    of their fp32 gradients (what reduce_scatter_param returns) and of the fp32 moments; the compute copy
-    is gathered by the step (in its peak). `offload` (ZeRO-Offload, autosp train --optimizer-offload):
-    the moments, an fp32 master copy and an fp32 gradient copy of the rank's part live on host instead;
-    the device keeps the parameters and, through the step, their gradients."""
-    fp32 = tracer.param_bytes if tracer.sharded else 4 * tracer.n_params     # this rank's part, in fp32
-    moments = _MOMENTS[optimizer] * fp32
-    if offload:
-        return ModelState(tracer.param_bytes, tracer.param_bytes, 0, tracer.ranks, 2 * fp32 + moments)
-    return ModelState(tracer.param_bytes, tracer.param_bytes, moments, tracer.ranks)
-
-
-def _state_line(st: ModelState, tracer, optimizer: str, dtype: str, dp: int, sp: int) -> str:
-    line = _device_state_line(st, tracer, optimizer, dtype, dp, sp)
-    if st.host:
-        line += (f"; --optimizer-offload: the fp32 master copy, an fp32 gradient copy and {optimizer}'s "
-                 f"{_MOMENTS[optimizer]} moments in host memory, {fmt(st.host)} per rank")
-    return line
-
-
-def _device_state_line(st: ModelState, tracer, optimizer: str, dtype: str, dp: int, sp: int) -> str:
-    opt = (f"{optimizer} {_MOMENTS[optimizer]} fp32 moments {fmt(st.moments)}" if st.moments else
-           f"{optimizer} state on host" if st.host else f"{optimizer} no state")
-    if st.ranks == 1:
-        return (f"model state per rank (replicated over sp and dp): parameters {fmt(st.params)}, gradients "
-                f"{fmt(st.grads)} (counted in the step's peak), {opt} = {fmt(st.total)}")
-    per = "4 master + 4 gradient" + (f" + {4 * _MOMENTS[optimizer]} moments" if st.moments else "")
-    copy = getattr(torch, dtype).itemsize
-    mixed = ", mixed precision" if copy < 4 else ""
-    return (f"model state per rank (sharded over {st.ranks} ranks, dp {dp} x sp {sp}: Shard(0) as FSDP2 lays it out"
-            f"{mixed}): fp32 master parameters {fmt(st.params)}, fp32 gradients {fmt(st.grads)} (counted "
-            f"in the step's peak), {opt} = {fmt(st.total)}: {per} bytes per parameter over {st.ranks} ranks; the "
-            f"{dtype} compute copy ({copy} bytes per parameter, {fmt(tracer.compute_bytes)} for the whole model) "
-            "is gathered a layer ahead by the step and counted in its peak")
-
-
-def _host_line(host: int, given: bool, world: int, offload: bool, offloaded: int | None,
-               seconds: float | None = None, state: int = 0) -> str:
-    """What the plan puts in host memory, per rank and per node, and its transfers' time per step."""
-    per_node = min(world, _RANKS_PER_NODE)
-    parts = [f"{fmt(host // per_node)} per rank at {per_node} per node"] if offload or state else []
-    if state:
-        parts.append(f"{fmt(state)} of it the optimizer's (--optimizer-offload)"
-                     + (", the rest the ILP plan's host capacity" if offload else ""))
-    elif offload:
-        parts[0] += " (the ILP plan's host capacity)"
-    head = (f"host memory per node: {fmt(host)} ({'--host-memory' if given else 'assumed; pass --host-memory'})"
-            + "".join(", " + p for p in parts) + ", counted apart from the device memory; planned on the host: ")
-    if not offloaded:
-        why = ("--offload lets the ILP plan move activations there" if not offload else
-               "no ILP plan was made" if offloaded is None else "the ILP plan offloads nothing at its length")
-        return head + f"no activations (the step stays on the device; {why})"
-    need = offloaded * per_node
-    return (head + f"{fmt(offloaded)} per rank of activations offloaded by the ILP plan, {fmt(need)} per node at "
-            f"{per_node} ranks per node (assumed: min(ranks, {_RANKS_PER_NODE}))"
-            + (f"; the transfers to host and back take {seconds * 1e3:.3g} ms per step (cost model's host link, "
-               "on a side stream, overlapped with compute)" if seconds else "")
-            + ("" if need <= host else f": {fmt(need - host)} more than the node has. Fix: --host-memory with the "
-               "node's size, or leave --offload out"))
-
-
-def plan_lengths(model: str, *, sp: int, dp: int = 1, memory: str, dtype: str = "bfloat16", optimizer: str = "adamw",
-                 batch: int = 1, device: str = "cuda", offload: bool = False, granularity: int | None = None,
-                 parallel: bool = True, shard_params: bool = True, host_memory: str | None = None,
-                 optimizer_offload: bool = False, tile: bool = True) -> str:
-    """The report of `autosp plan` (see the module docstring). `parallel`: probe the two lengths in two
-    processes (a fork; pass False in a process whose threads make forking unsafe). `shard_params`: the
-    model state sharded over every rank (when there is more than one), else replicated."""
-    t_start = time.perf_counter()
-    mem = parse_memory(memory)
-    host = _HOST_MEMORY if host_memory is None else parse_memory(host_memory, "--host-memory")
-    step = granularity or sp * 64
-    if step % sp:
-        raise AutospError(f"--granularity {step}: lengths must split over sp={sp} ranks. Fix: a multiple of {sp}.")
-    if offload and device != "cuda":
-        raise AutospError("--offload: offloading is planned for a GPU's host link. Fix: --device cuda, or leave "
-                          "--offload out.")
-    spec = model_config(model)
-    torch_dtype = getattr(torch, dtype)
-    world = sp * dp
-    sharded = shard_params and world > 1
-    share = host // min(world, _RANKS_PER_NODE)                    # each rank's share of its node
-    with fake_world(world):
-        tracer = Tracer(spec, planning_mesh(sp, dp), torch_dtype, batch, sp, shard_params=sharded)
-        n = tracer.n_params
-        st = model_state(tracer, optimizer, optimizer_offload)
-        host_rank = max(0, share - st.host) if offload else None          # what the activations may take
-        out = [f"autosp plan: {describe(spec)}\n  {n / 1e9:.3f}B parameters in {dtype}; mesh dp {dp} x sp {sp}; "
-               f"{fmt(mem)} per rank; cost model {device}; {batch} sequence(s) per dp rank",
-               _state_line(st, tracer, optimizer, dtype, dp, sp)]
-        host_line = _host_line(host, host_memory is not None, world, offload, None, state=st.host)
-        if st.total >= mem:
-            if sharded:
-                fix = "more ranks to shard it over (--dp)"
-            elif world > 1:
-                per = (8 + 4 * _MOMENTS[optimizer]) * n / world
-                fix = f"leave out --no-shard-params (sharded over the {world} ranks: about {fmt(per)} per rank)"
-            else:
-                fix = "more ranks (--sp, --dp), over which the model state is sharded"
-            out.append(f"-> the model state alone needs {fmt(st.total)}, {fmt(st.total - mem)} more than the "
-                       f"{fmt(mem)} per rank: no sequence length fits in any configuration. Fix: {fix}, more memory "
-                       "per rank" + (", --optimizer-offload" if not optimizer_offload else "")
-                       + (", --optimizer sgd" if optimizer != "sgd" else "") + ", or a smaller model.")
-            out.append(host_line)
-            return "\n".join(out)
-        if st.host > share:
-            out.append(f"-> with --optimizer-offload the model state needs {fmt(st.host)} of host memory per rank, "
-                       f"more than this rank's share of the node, {fmt(share)}. Fix: --host-memory with the node's "
-                       "size, more ranks, or leave --optimizer-offload out.")
-            out.append(host_line)
-            return "\n".join(out)
-        fixed = st.params + st.moments                     # live across the step; the step's peak adds the rest
-        avail = mem - fixed
-
-        def tokens(length):                                 # the token ids (labels are the same tensor)
-            return 8 * batch * length
-
-        # no remat keeps every gathered parameter for the backward: the guess leaves room for them
-        kept = tracer.compute_bytes if sharded else 0
-        l1 = max(32 * step, _rounded(_guess(spec.config, avail - st.grads - kept, torch_dtype, sp, batch), step))
-        l2 = 4 * l1
-
-        def plan_length(priced) -> int:
-            """The longest length a plan priced at l1 and l2 fits: the device's bytes, and the host's."""
-            a, b = priced[l1], priced[l2]
-            length = Affine.fit(l1, a.values + tokens(l1), l2, b.values + tokens(l2)).longest(avail, step)
-            if host_rank is not None and b.host > a.host:   # the offloaded bytes grow too: the host caps the length
-                length = min(length, _line(a.host, l1, b.host, l2).longest(host_rank, step))
-            return length
-
-        q = probe(tracer, l1, l2, device, offload, parallel, host_rank, plan_length, tile)
-
-        def row(name, p1, p2, length, note=""):
-            """The row of a program priced at both lengths, at `length` (none: 0)."""
-            if not length:
-                return Row(name, length, None, None, note)
-            peak, saved = p1.at(p2, l1, l2, length, tokens)
-            return Row(name, length, peak, tuple(int(_line(a, l1, b, l2).peak(length)) for a, b in zip(p1.comm, p2.comm)),
-                       note, step_seconds(p1.terms, l1, p2.terms, l2, length, device), saved,
-                       int(_line(p1.host, l1, p2.host, l2).peak(length)))
-
-        rows = []
-        for key, name in (("nosp", "no SP"), ("sp", f"SP={sp}, no remat")):
-            p1, p2 = q.profiles[(key, l1)], q.profiles[(key, l2)]
-            if p1.shape != p2.shape or len(p1.values) != len(p2.values):
-                raise AutospError(f"autosp plan: {model}'s program differs between lengths {l1} and {l2}, so its "
-                                  "memory cannot be solved for in closed form. Fix: plan with autosp.plan at the "
-                                  "lengths you need (the Python API).")
-            length = Affine.fit(l1, p1.values + tokens(l1), l2, p2.values + tokens(l2)).longest(avail, step)
-            rows.append(row(name, p1, p2, length))
-
-        # SP with the ILP plan: the plan with the least peak found at l2, priced at both lengths, so its
-        # longest length is solved for exactly
-        floor_len = rows[1].length
-        pa, pb = q.plan[l1], q.plan[l2]
-        ha, hb = pa.host, pb.host
-        aff = Affine.fit(l1, pa.values + tokens(l1), l2, pb.values + tokens(l2))
-        length = plan_length(q.plan)
-        name = f"SP={sp}, ILP plan (save/recompute{'/offload' if offload else ''})"
-        if length <= floor_len:
-            rows.append(Row(name, floor_len, rows[1].peak, rows[1].comm, "no plan found fits a longer length than "
-                                                                        "saving everything", rows[1].seconds,
-                            rows[1].saved))
-        else:
-            host_bytes = int(_line(ha, l1, hb, l2).peak(length))
-            rows.append(row(name, pa, pb, length,
-                            f"the plan with the least peak found at {l2:,} ({fmt(q.least)}"
-                            + f", by {q.method if q.method != 'ILP' else 'the ILP'}"
-                            + f"), replayed at {l1:,}, "
-                            f"fits up to {length:,}"
-                            + (f"; it tiles {', '.join(_tiled_names(q.tiling))}" if q.tiling else "")
-                            + (f"; it offloads {fmt(host_bytes)} to host memory per rank" if host_bytes else "")
-                            + "; " + _held_back(aff, length, step, avail, host_bytes, host_rank, ha, hb, l1, l2)))
-            host_line = _host_line(host, host_memory is not None, world, offload, host_bytes,
-                                   q.offload_seconds * host_bytes / hb if hb else None, st.host)
-    # replicated: the gradients are all-reduced after the step, by ring; sharded: reduce-scattered in it
-    dp_comm = 0 if sharded else ring_allreduce_bytes(st.grads, dp)
-    sp_grad = 0 if sharded else ring_allreduce_bytes(st.grads, sp)
-
-    out.append(f"longest trainable sequence (tokens per sequence, a multiple of {step}) and per-rank memory:\n")
-    out.append("| configuration | longest sequence | memory per rank | model state | the step's peak: saved for "
-               "the backward | + its working set | offloaded to host per rank | collectives sent per rank per step |")
-    out.append("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        seq, par = r.comm or (0, 0)
-        grads = par + dp_comm + (sp_grad if r.name != "no SP" else 0)
-        what = "parameter gathers and gradient reduce-scatters" if sharded else "gradients"
-        if r.length:
-            out.append(f"| {r.name} | {r.length:,} | {fmt(fixed + r.peak)} | {fmt(fixed)} | {fmt(r.saved)} | "
-                       f"{fmt(r.peak - r.saved)} | {fmt(r.host) if r.host else '-'} | "
-                       f"{fmt(seq + grads)} ({fmt(seq)} sequence, {fmt(grads)} {what}) |")
-        else:
-            out.append(f"| {r.name} | none ({step} tokens do not fit) | - | - | - | - | - | - |")
-    if rows[1].length and rows[2].length:
-        out.append(f"\nILP plan / SP without remat: {rows[2].length / rows[1].length:.2f}x the length"
-                   + (f"; SP without remat / no SP: {rows[1].length / rows[0].length:.2f}x" if rows[0].length else ""))
-    timed = [f"{r.name} {_secs(r.seconds)} ({r.length / r.seconds:,.0f} tokens/s)" for r in rows if r.seconds]
-    if timed:
-        from autosp.remat.cost import device_for
-        d = device_for(device)
-        out.append("step time per rank at that length, the cost model's estimate "
-                   f"({device}: {d.flops / 1e12:g} TFLOP/s, {d.mem_bw / 1e12:g} TB/s memory, {d.link_bw / 1e9:g} GB/s links; every equation of the step, "
-                   "recomputations included, one after another; host transfers overlap it): " + "; ".join(timed))
-    heads = getattr(spec.config, "num_attention_heads", None)
-    if heads and sp > 1:
-        from autosp.passes.shard_rules import factorise
-        u, r = factorise(sp, heads)
-        out.append(f"attention at sp={sp}: " + (f"Ulysses all-to-all over the {sp} ranks ({heads // sp} of {heads} heads each)"
-                   if r == 1 else f"{heads} heads run out: all-to-all over {u} ranks x ring attention over {r} "
-                   f"(zigzag order; per layer each rank passes {r - 1} K/V block{'s' if r > 2 else ''} around its ring)"))
-    out.append(host_line)
-    out.append(f"\nhow: two meta traces (lengths {l1:,} and {l2:,}) fix each program's bytes at every point of the "
-               "step as an affine function of the length (a program's values are either independent of the length "
-               "or proportional to it), solved for exactly: the no-remat programs, and the ILP plan; " + rows[2].note + ".")
-    if sharded:
-        out.append(f"memory per rank = model state (fp32 master shard + optimizer state, {fmt(fixed)}) + the "
-                   "step's peak, split at the point of the peak into what the forward saved for the backward "
-                   f"(activations, and the gathered {dtype} parameters it keeps) and the working set (the values in "
-                   f"flight, temporaries, collective buffers, the gathered {dtype} parameters in use, the fp32 "
-                   f"gradient shards, the token ids). Parameters are gathered and gradients reduce-scattered over "
-                   f"the {world} ranks inside the step (no separate all-reduce). Without remat every gathered "
-                   f"parameter is kept for the backward ({fmt(tracer.compute_bytes)} for the whole model), as "
-                   "autograd keeps them; the ILP plan may gather again instead. The no-SP row runs every sequence "
-                   f"whole on each rank with the same sharded model state (dp {world} x sp 1: FSDP2 without SP)."
-                   f" Planned in {time.perf_counter() - t_start:.0f} s.")
-    else:
-        out.append(f"memory per rank = model state (parameters + optimizer state, {fmt(fixed)}) + the step's "
-                   "peak, split at the point of the peak into what the forward saved for the backward (activations) "
-                   "and the working set (the values in flight, temporaries, collective buffers, gradients, the token "
-                   "ids). Gradients are all-reduced over sp"
-                   + (" and dp" if dp > 1 else "") + f" by ring ({fmt(sp_grad + dp_comm)} sent per rank)."
-                   f" Planned in {time.perf_counter() - t_start:.0f} s.")
-    return "\n".join(out)

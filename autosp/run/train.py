@@ -1,15 +1,19 @@
 """The training loop one rank runs (started by torch.distributed.run, ours or the user's).
 
-Every rank builds the same model from the seed and, with more than one rank, shards its state
-(`autosp.shard_params`: every parameter a DTensor split on dim 0 over all dp x sp ranks, FSDP2's
-layout; `--no-shard-params` keeps it whole on every rank). Each rank reads its dp part of the step's
-global batch and takes `autosp.value_and_grad(loss_fn, mesh, memory_budget=...)`: the loss, and the
-gradients laid out as the parameters (this rank's shard, or the whole gradient). AdamW, warmup +
-cosine, gradient clipping on those gradients; sharded, each rank updates its own rows, replicated,
-every rank takes the same update. `--optimizer-offload` steps AdamW on fp32 host copies instead
-(optim.OffloadedAdamW). Rank 0 shows the progress bar and writes DIR/metrics.jsonl and
-DIR/loss.png; all ranks write the checkpoints. Nothing is written before the first step has
-compiled and run, so a model or a memory budget autosp refuses leaves no trace.
+Every rank builds the same model from the seed and, with more than one rank (or in bf16), shards its
+state (`autosp.shard_params`: every parameter a DTensor split on dim 0 over all dp x sp ranks, FSDP2's
+layout and mixed precision; `--no-shard-params` keeps it whole on every rank). Each rank reads its dp
+part of the step's global batch and takes `autosp.value_and_grad(loss_fn, mesh, memory_budget=...)`
+under the plan `autosp plan --seq-len` makes for the same flags (answer.Fit: the budget --memory leaves
+the step, the host capacity, the tiling, the ring): the loss, and the gradients laid out as the
+parameters (this rank's shard, or the whole gradient). AdamW, warmup + cosine, gradient clipping on
+those gradients; sharded, each rank updates its own rows, replicated, every rank takes the same update.
+`--optimizer-offload` steps AdamW on fp32 host copies instead (optim.OffloadedAdamW).
+
+Each step's peak of allocated device memory is measured (autosp.memory.StepMeter) and written beside
+the plan's prediction. Rank 0 shows the progress bar and writes DIR/metrics.jsonl and DIR/loss.png;
+all ranks write the checkpoints. Nothing is written before the first step has compiled and run, so a
+model or a memory budget autosp refuses leaves no trace.
 """
 from __future__ import annotations
 
@@ -49,26 +53,47 @@ def _bar(start: int, total: int):
     return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, desc="train")
 
 
-def _state_line(model, world: int, dev: torch.device, sharded: bool, offload: bool) -> str:
+def _state_line(model, world: int, dev: torch.device, sharded: bool, offload: bool, moments: int) -> str:
     """The banner's line on model state: where it lives and how many bytes each rank holds."""
-    on_dev, on_host = state_bytes(model, offload=offload)
-    how = (f"sharded over {world} ranks (Shard(0), FSDP2's layout)" if sharded else
+    on_dev, on_host = state_bytes(model, offload=offload, moments=moments)
+    how = (f"sharded over {world} ranks (Shard(0), FSDP2's layout)" if sharded and world > 1 else
+           "fp32 master weights (FSDP2's mixed precision on one rank)" if sharded else
            "replicated on every rank (--no-shard-params)" if world > 1 else "whole (one rank)")
+    opt = "AdamW moments" if moments else "no optimizer state"
     if not offload:
-        return f"model state: {how}; {on_dev / 2**20:.2f} MiB per rank (parameters + gradients + AdamW moments)"
+        return f"model state: {how}; {on_dev / 2**20:.2f} MiB per rank (parameters + gradients + {opt})"
     return (f"model state: {how}; {on_dev / 2**20:.2f} MiB per rank on {dev.type} (parameters + gradients), "
             f"{on_host / 2**20:.2f} MiB in host memory (--optimizer-offload: fp32 master weights, gradients and "
             "AdamW moments)")
 
 
+def _memory_lines(fit, plan, step) -> str:
+    """The banner's lines on memory: the plan this rank runs, its predicted peak and host bytes."""
+    from autosp.run.plan import fmt
+    p = plan
+    how = ("no remat" if p.peak_bytes >= p.no_remat_peak_bytes else
+           f"{sum(d.action == 'recompute' for d in p.decisions)} values recomputed"
+           + (f", {fmt(p.offload_bytes)} offloaded" if p.offload_bytes else ""))
+    if p.tiling:
+        from autosp.run.answer import _tiled_names
+        how += ", tiles " + ", ".join(_tiled_names(p.tiling))
+    within = f" within --memory {step.memory}" if step.memory is not None else ""
+    return (f"  memory plan{within}: budget {fmt(p.budget_bytes) if p.budget_bytes else 'none'} for the step ({how})\n"
+            f"  predicted peak per rank: {fmt(fit.resident + p.peak_bytes)} of allocated {step.device} memory = "
+            f"model state {fmt(fit.state.resident)} + token ids {fmt(fit.tokens)} + the step's {fmt(p.peak_bytes)}; "
+            f"host: {fmt(fit.state.host + p.offload_bytes)} per rank"
+            + (f" (activations {fmt(p.offload_bytes)} of this rank's {fmt(fit.host_cap)})" if step.offload else ""))
+
+
 def worker(a) -> None:
-    """One rank of `autosp train`; `a` is the parsed command line (cli.py)."""
+    """One rank of `autosp train`; `a` is the parsed command line (cli.py), `a.step` its Step."""
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if a.device == "cuda":
+    device = a.step.device
+    if device == "cuda":
         torch.cuda.set_device(local_rank)
-    dev = torch.device(a.device, local_rank) if a.device == "cuda" else torch.device("cpu")
-    dist.init_process_group("nccl" if a.device == "cuda" else "gloo", timeout=timedelta(seconds=a.timeout))
+    dev = torch.device(device, local_rank) if device == "cuda" else torch.device("cpu")
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(seconds=a.timeout))
     try:
         faults.maybe_fail("step", 0)             # before the heavy imports: a cheap drill for tests
         from autosp.api import value_and_grad
@@ -81,26 +106,41 @@ def worker(a) -> None:
         dist.destroy_process_group()
 
 
+MEASURED_STEPS = 3          # CPU: the steps whose peak the profiler measures (it slows a step)
+
+
 def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
+    from autosp.memory import StepMeter
+    from autosp.remat.offload import _host_pool, _pinned_pool
+    from autosp.run.answer import Fit, model_state
+    from autosp.run.plan import master_bytes
     rank = dist.get_rank()
-    sp = a.sp
+    step = a.step
+    sp = step.sp
     dp = world // sp
     mesh = _mesh(dev.type, dp, sp)
     dp_rank = rank // sp                         # the mesh is (dp, sp), row-major over global ranks
+    meter = StepMeter(dev, MEASURED_STEPS)       # before the model: CPU counts every byte allocated from here
 
-    spec = model_config(a.model)
-    corpus = open_corpus(a.data, a.dtype)
-    check_corpus(corpus, a.seq_len, spec.vocab)
+    spec = model_config(step.model)
+    corpus = open_corpus(a.data, a.token_dtype)
+    check_corpus(corpus, step.seq_len, spec.vocab)
     model = build_model(spec, seed=a.seed, device=str(dev))
     model.train()
-    sharded = world > 1 and a.shard_params
+    sharded = step.sharded
+    state_model = model_state(step, master_bytes(model, world, sharded, step.dtype))
     if sharded:
         from autosp.params import shard_params
-        shard_params(model, mesh)
-    opt = make_optimizer(model, lr=a.lr, weight_decay=a.weight_decay, offload=a.optimizer_offload)
+        shard_params(model, mesh, param_dtype=None if step.precision == "fp32" else step.dtype,
+                     reduce_dtype=step.grad_dtype)
+    opt = make_optimizer(model, lr=a.lr, weight_decay=a.weight_decay, offload=step.optimizer_offload,
+                         kind=step.optimizer)
+    if not sharded and step.precision != "fp32":  # ZeRO-Offload on one rank: fp32 masters on host, bf16 on the device
+        model.to(step.dtype)
     warmup = a.warmup if a.warmup is not None else max(1, min(100, a.steps // 10))
     sched = make_schedule(opt, warmup=warmup, total=a.steps, floor=a.min_lr_ratio)
-    state = {"step": 0, "scheduler": sched.state_dict(), "seed": a.seed, "seq_len": a.seq_len, "batch": a.batch}
+    state = {"step": 0, "scheduler": sched.state_dict(), "seed": a.seed, "seq_len": step.seq_len,
+             "batch": step.global_batch}
 
     start = 0
     resumed = checkpoint.latest(a.out) if a.resume else None
@@ -108,13 +148,14 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
         state = checkpoint.load(resumed, model, opt, state)
         sched.load_state_dict(state["scheduler"])
         start = int(state["step"])
-        for key in ("seed", "seq_len", "batch"):
-            if state.get(key) != getattr(a, key):
+        for key, now in (("seed", a.seed), ("seq_len", step.seq_len), ("batch", step.global_batch)):
+            if state.get(key) != now:
                 _say(f"note: the checkpoint was trained with --{key.replace('_', '-')} {state.get(key)}, "
-                     f"this run uses {getattr(a, key)}: the data order changes from here on")
+                     f"this run uses {now}: the data order changes from here on")
     if a.resume and resumed is None:
         _say(f"note: --resume, but {a.out} holds no complete checkpoint yet: starting at step 0")
     if start >= a.steps:
+        meter.close()
         _say(f"{resumed} is at step {start}, which already reaches --steps {a.steps}. Pass a larger --steps "
              "to train further.")
         return
@@ -124,30 +165,49 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
     def loss_fn(params, input_ids, labels):
         return torch.func.functional_call(model, params, (input_ids,), {"labels": labels}).loss
 
-    step_fn = value_and_grad(loss_fn, mesh, memory_budget=a.memory_budget)
-    tokens_per_step = a.batch * a.seq_len
+    # the step as `autosp plan --seq-len` planned it: the same budget, host capacity, tiling and ring
+    fit = Fit(step, state_model, step.token_bytes())
+    fit.budget = step.step_budget(fit.resident)
+    fit.host_cap = step.activation_host_bytes(state_model.host)
+    step_fn = value_and_grad(loss_fn, mesh, memory_budget=1.0 if fit.budget is None else fit.budget,
+                             host_bandwidth=step.host_bandwidth, host_memory=fit.host_cap, ring=step.ring,
+                             tiles=None if step.tile else {})
+    first = batch_for_step(corpus, seq_len=step.seq_len, batch=step.global_batch, step=start, seed=a.seed,
+                           part=(dp_rank, dp))
+    ids = torch.from_numpy(first).to(dev)
+    plan = step_fn.plan(params, ids, ids)        # compiles the step: a budget it cannot meet is refused here
+    predicted = fit.resident + plan.peak_bytes
+    del ids
+    tokens_per_step = step.global_batch * step.seq_len
     n_params = count_parameters(model)
     _say(f"autosp train: {describe(spec)}, {n_params / 1e6:.2f}M parameters\n"
-         f"  ranks {world} = dp {dp} x sp {sp} on {dev.type} ({'nccl' if dev.type == 'cuda' else 'gloo'}); "
-         f"global batch {a.batch} x {a.seq_len} tokens; {a.steps} steps, lr {a.lr} (warmup {warmup}, cosine)\n"
-         f"  data: {corpus.name}, {corpus.length:,} tokens = {corpus.sequences(a.seq_len):,} sequences\n"
-         f"  memory budget: {a.memory_budget if a.memory_budget is not None else 'none (autograd saves all)'}\n"
-         f"  {_state_line(model, world, dev, sharded, a.optimizer_offload)}"
+         f"  ranks {world} = dp {dp} x sp {sp}" + (f" (ring {step.ring})" if step.ring else "")
+         + f" on {dev.type} ({'nccl' if dev.type == 'cuda' else 'gloo'}), {step.precision}; "
+         f"global batch {step.global_batch} x {step.seq_len} tokens; {a.steps} steps, lr {a.lr} (warmup {warmup}, "
+         f"cosine)\n"
+         f"  data: {corpus.name}, {corpus.length:,} tokens = {corpus.sequences(step.seq_len):,} sequences\n"
+         f"{_memory_lines(fit, plan, step)}\n"
+         f"  measured: {meter.kind}" + ("" if dev.type == "cuda" else f", steps 1-{MEASURED_STEPS}") + "\n"
+         f"  {_state_line(model, world, dev, sharded, step.optimizer_offload, 2 if step.optimizer == 'adamw' else 0)}"
          + (f"\n  resumed from {resumed} (step {start})" if resumed else ""))
 
     writer = bar = None
-    mem_kind = metrics.MEMORY_KIND.get(dev.type, "peak")
     first_loss = last_loss = None
     run_losses: list[float] = []
+    worst = None                                 # (measured - predicted) / predicted, the largest seen on any rank
+    pool = _pinned_pool if dev.type == "cuda" else _host_pool
     t_start = time.perf_counter()
+    meter.begin()
     for n in range(start + 1, a.steps + 1):
         faults.maybe_fail("step", n)
         t0 = time.perf_counter()
-        rows = batch_for_step(corpus, seq_len=a.seq_len, batch=a.batch, step=n - 1, seed=a.seed, part=(dp_rank, dp))
+        rows = batch_for_step(corpus, seq_len=step.seq_len, batch=step.global_batch, step=n - 1, seed=a.seed,
+                              part=(dp_rank, dp))
         ids = torch.from_numpy(rows).to(dev)
         loss, grads = step_fn(params, ids, ids)
         for name, p in params.items():
             p.grad = grads[name]
+        del grads
         norm = torch.nn.utils.clip_grad_norm_(list(params.values()), a.clip) if a.clip > 0 else None
         if norm is not None and hasattr(norm, "full_tensor"):  # sharded gradients: a replicated DTensor
             norm = norm.full_tensor()
@@ -156,10 +216,17 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
         sched.step()
         opt.zero_grad(set_to_none=True)
         loss_v = float(loss)
+        del loss, ids
         dt = time.perf_counter() - t0
-        mem = torch.tensor([metrics.peak_memory_bytes(dev)], dtype=torch.float64, device=dev)
+        peak = meter.lap()
+        mem = torch.tensor([-1 if peak is None else peak, pool.nbytes()], dtype=torch.float64, device=dev)
         mems = [torch.zeros_like(mem) for _ in range(world)]
         dist.all_gather(mems, mem)
+        measured = [None if m[0] < 0 else int(m[0].item()) for m in mems]
+        host = [int(m[1].item()) for m in mems]
+        if measured[0] is not None:
+            off = max((m - predicted) / predicted for m in measured)
+            worst = off if worst is None else max(worst, off)
         if rank == 0:
             if writer is None:                   # the first step compiled and ran: now the run may write
                 os.makedirs(a.out, exist_ok=True)
@@ -169,14 +236,18 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
                 bar = _bar(start, a.steps)
             row = {"step": n, "loss": loss_v, "lr": lr, "grad_norm": None if norm is None else float(norm),
                    "tokens": n * tokens_per_step, "step_s": dt, "tokens_per_s": tokens_per_step / dt,
-                   "peak_mem_bytes": [int(m.item()) for m in mems], "peak_mem_kind": mem_kind}
+                   "peak_mem_bytes": measured, "predicted_peak_bytes": [predicted] * world,
+                   "memory_bytes": step.memory_bytes, "host_bytes": host, "peak_mem_kind": meter.kind}
             writer.write(row)
+            shown = ("measured " + " ".join(f"r{i} {m / 2**20:.1f}M" for i, m in enumerate(measured))
+                     if measured[0] is not None else "")
+            mem_text = f"{shown} / predicted {predicted / 2**20:.1f}M".lstrip()
             if bar is not None:
-                bar.set_postfix_str(f"loss {loss_v:.4f} | {tokens_per_step / dt:,.0f} tok/s | {mem_kind} "
-                                    + " ".join(f"r{i} {m.item() / 2**20:.0f}M" for i, m in enumerate(mems)))
+                bar.set_postfix_str(f"loss {loss_v:.4f} | {tokens_per_step / dt:,.0f} tok/s | {mem_text}")
                 bar.update(1)
             elif n % max(1, a.steps // 20) == 0 or n == a.steps:
-                print(f"step {n}/{a.steps}  loss {loss_v:.4f}  {tokens_per_step / dt:,.0f} tok/s", flush=True)
+                print(f"step {n}/{a.steps}  loss {loss_v:.4f}  {tokens_per_step / dt:,.0f} tok/s  {mem_text}",
+                      flush=True)
         first_loss = loss_v if first_loss is None else first_loss
         last_loss = loss_v
         run_losses.append(loss_v)
@@ -185,20 +256,25 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
             saved = checkpoint.save(a.out, n, model, opt, state)
             if bar is not None:
                 bar.set_description(f"train (saved {os.path.basename(saved)})")
+    meter.close()
     wall = time.perf_counter() - t_start
     if rank == 0:
         if bar is not None:
             bar.close()
         writer.close()
         png = metrics.plot_loss(os.path.join(a.out, "metrics.jsonl"), os.path.join(a.out, "loss.png"),
-                                f"autosp train --model {a.model}: dp {dp} x sp {sp}, {a.batch} x {a.seq_len} "
-                                "tokens per step")
+                                f"autosp train --model {step.model}: dp {dp} x sp {sp}, {step.global_batch} x "
+                                f"{step.seq_len} tokens per step")
         k = min(10, len(run_losses))
         mean = f" (mean of the last {k} steps {sum(run_losses[-k:]) / k:.4f})" if k > 1 else ""
         plot = (f"loss curve {png}" if png else
                 "loss curve skipped: matplotlib is not installed (pip install 'autosp[train]')")
+        held = ("" if worst is None else
+                f"  memory     measured peak {'+' if worst >= 0 else ''}{100 * worst:.2f} % against the predicted "
+                f"{predicted / 2**20:.2f} MiB per rank (the worst rank and step measured)\n")
         print(f"trained steps {start + 1}-{a.steps} in {wall:.0f} s: loss {first_loss:.4f} -> {last_loss:.4f}{mean}; "
               f"a uniform guess over the {spec.vocab} tokens scores ln {spec.vocab} = {math.log(spec.vocab):.3f}\n"
+              f"{held}"
               f"  checkpoint {os.path.join(a.out, f'step-{a.steps}')}\n"
               f"  metrics    {os.path.join(a.out, 'metrics.jsonl')}\n"
               f"  {plot}", flush=True)

@@ -1,0 +1,467 @@
+"""What `autosp plan` answers and `autosp train` checks before its first step, for one Step (config.py).
+
+    report = longest(step)       # the longest length per configuration (no SP, SP, SP with the ILP plan)
+    fit = at_length(step)        # one length: fits or not, the per-rank breakdown, the step time
+
+Both count the model state one rank keeps across steps (`ModelState`), the token ids, and the step's
+peak from autosp's memory model (plan.py's probes for `longest`, the plan `autosp train` will run for
+`at_length`), and both end an answer that fits with the `autosp train` command that runs it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from autosp.errors import AutospError
+from autosp.run.config import PRECISIONS, RANKS_PER_NODE, Step
+from autosp.run.meshes import fake_world, planning_mesh
+from autosp.run.models import describe, model_config
+from autosp.run.plan import (_MOMENTS, Affine, Row, Tracer, _guess, _held_back, _line, _rounded, _secs,
+                             _tiled_names, fmt, probe, ring_allreduce_bytes, step_seconds)
+
+PRECISION_NAMES = PRECISIONS          # fp32 -> float32: how the report names a precision
+
+
+@dataclass
+class ModelState:
+    """The model state one rank holds through the step (bytes), and how it is laid out."""
+    params: int                     # replicated: the parameters in the compute dtype; sharded: the fp32 master shard
+    grads: int                      # the parameters' gradients (or gradient shard): in the step's peak
+    moments: int                    # the optimizer's (0 with --optimizer-offload: on host)
+    ranks: int                      # the ranks it is sharded over (1: replicated)
+    host: int = 0                   # --optimizer-offload: fp32 master, gradient and moments on host
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.moments
+
+    @property
+    def resident(self) -> int:
+        """What stays on the device across steps (the gradients are the step's, in its peak)."""
+        return self.params + self.moments
+
+
+def model_state(step: Step, param_bytes: int) -> ModelState:
+    """The model state one rank keeps, from `param_bytes` (plan.master_bytes: this rank's parameters as the step
+    keeps them). Replicated: parameters and gradients in the compute dtype and fp32 moments on every rank.
+    Sharded (FSDP2 mixed precision, autosp.shard_params): every rank keeps 1/N of the fp32 master parameters,
+    of their fp32 gradients (what reduce_scatter_param returns) and of the fp32 moments; the compute copy
+    is gathered by the step (in its peak). --optimizer-offload (ZeRO-Offload): the moments, an fp32 master
+    copy and an fp32 gradient copy of the rank's part live on host instead; the device keeps the parameters
+    and, through the step, their gradients."""
+    ranks = step.world if step.sharded else 1
+    itemsize = 4 if step.sharded else step.dtype.itemsize
+    fp32 = param_bytes // itemsize * 4                                       # this rank's part, in fp32
+    moments = _MOMENTS[step.optimizer] * fp32
+    if step.optimizer_offload:
+        return ModelState(param_bytes, param_bytes, 0, ranks, 2 * fp32 + moments)
+    return ModelState(param_bytes, param_bytes, moments, ranks)
+
+
+def _state_line(st: ModelState, tracer, optimizer: str, dtype: str, dp: int, sp: int) -> str:
+    line = _device_state_line(st, tracer, optimizer, dtype, dp, sp)
+    if st.host and not tracer.sharded:
+        line += f"; the device's parameters are the {dtype} compute copy"
+    if st.host:
+        line += (f"; --optimizer-offload: the fp32 master copy, an fp32 gradient copy and {optimizer}'s "
+                 f"{_MOMENTS[optimizer]} moments in host memory, {fmt(st.host)} per rank")
+    return line
+
+
+def _device_state_line(st: ModelState, tracer, optimizer: str, dtype: str, dp: int, sp: int) -> str:
+    opt = (f"{optimizer} {_MOMENTS[optimizer]} fp32 moments {fmt(st.moments)}" if st.moments else
+           f"{optimizer} state on host" if st.host else f"{optimizer} no state")
+    if not tracer.sharded:
+        return (f"model state per rank (replicated over sp and dp): parameters {fmt(st.params)}, gradients "
+                f"{fmt(st.grads)} (counted in the step's peak), {opt} = {fmt(st.total)}")
+    per = "4 master + 4 gradient" + (f" + {4 * _MOMENTS[optimizer]} moments" if st.moments else "")
+    copy = getattr(torch, dtype).itemsize
+    mixed = ", mixed precision" if copy < 4 else ""
+    over = f"sharded over {st.ranks} ranks" if st.ranks > 1 else "one rank's fp32 master"
+    return (f"model state per rank ({over}, dp {dp} x sp {sp}: Shard(0) as FSDP2 lays it out"
+            f"{mixed}): fp32 master parameters {fmt(st.params)}, fp32 gradients {fmt(st.grads)} (counted "
+            f"in the step's peak), {opt} = {fmt(st.total)}: {per} bytes per parameter over {st.ranks} ranks; the "
+            f"{dtype} compute copy ({copy} bytes per parameter, {fmt(tracer.compute_bytes)} for the whole model) "
+            "is gathered a layer ahead by the step and counted in its peak")
+
+
+def _host_line(host: int, given: bool, world: int, offload: bool, offloaded: int | None,
+               seconds: float | None = None, state: int = 0) -> str:
+    """What the plan puts in host memory, per rank and per node, and its transfers' time per step."""
+    per_node = min(world, RANKS_PER_NODE)
+    parts = [f"{fmt(host // per_node)} per rank at {per_node} per node"] if offload or state else []
+    if state:
+        parts.append(f"{fmt(state)} of it the optimizer's (--optimizer-offload)"
+                     + (", the rest the ILP plan's host capacity" if offload else ""))
+    elif offload:
+        parts[0] += " (the ILP plan's host capacity)"
+    head = (f"host memory per node: {fmt(host)} ({'--host-memory' if given else 'assumed; pass --host-memory'})"
+            + "".join(", " + p for p in parts) + ", counted apart from the device memory; planned on the host: ")
+    if not offloaded:
+        why = ("--offload lets the ILP plan move activations there" if not offload else
+               "no ILP plan was made" if offloaded is None else "the ILP plan offloads nothing at its length")
+        return head + f"no activations (the step stays on the device; {why})"
+    need = offloaded * per_node
+    return (head + f"{fmt(offloaded)} per rank of activations offloaded by the ILP plan, {fmt(need)} per node at "
+            f"{per_node} ranks per node (assumed: min(ranks, {RANKS_PER_NODE}))"
+            + (f"; the transfers to host and back take {seconds * 1e3:.3g} ms per step (cost model's host link, "
+               "on a side stream, overlapped with compute)" if seconds else "")
+            + ("" if need <= host else f": {fmt(need - host)} more than the node has. Fix: --host-memory with the "
+               "node's size, or leave --offload out"))
+
+
+@dataclass
+class Report:
+    """`autosp plan`'s answer: its text, whether anything fits, and the step that trains the ILP row's length."""
+    text: str
+    ok: bool
+    step: Step | None = None        # the planned step at the longest length the ILP plan fits (None: none fits)
+
+    @property
+    def length(self) -> int:
+        return self.step.seq_len if self.step is not None else 0
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _tracer(step: Step, spec) -> Tracer:
+    return Tracer(spec, planning_mesh(step.sp, step.dp), step.dtype, step.rank_batch, step.sp,
+                  shard_params=step.sharded, ring=step.ring, reduce_dtype=step.grad_dtype)
+
+
+def _state_fails(step: Step, st: ModelState, share: int) -> str | None:
+    """Why the model state alone does not fit the device or the host ('-> ...' with the fix), or None."""
+    mem = step.memory_bytes
+    if mem is not None and st.total >= mem:
+        if step.sharded:
+            fix = "more ranks to shard it over (--dp)"
+        elif step.world > 1:
+            per = st.params // step.dtype.itemsize * (8 + 4 * _MOMENTS[step.optimizer]) / step.world
+            fix = f"leave out --no-shard-params (sharded over the {step.world} ranks: about {fmt(per)} per rank)"
+        else:
+            fix = "more ranks (--sp, --dp), over which the model state is sharded"
+        return (f"-> the model state alone needs {fmt(st.total)}, {fmt(st.total - mem)} more than the "
+                f"{fmt(mem)} per rank: no sequence length fits in any configuration. Fix: {fix}, more memory "
+                "per rank" + (", --optimizer-offload" if not step.optimizer_offload else "")
+                + (", --optimizer sgd" if step.optimizer != "sgd" else "") + ", or a smaller model.")
+    if st.host > share:
+        return (f"-> with --optimizer-offload the model state needs {fmt(st.host)} of host memory per rank, "
+                f"more than this rank's share of the node, {fmt(share)}. Fix: --host-memory with the node's "
+                "size, more ranks, or leave --optimizer-offload out.")
+    return None
+
+
+def longest(step: Step, *, parallel: bool = True, granularity: int | None = None) -> Report:
+    """The report of `autosp plan` without --seq-len: the longest length each configuration trains within
+    step.memory (see plan.py's docstring for the method). `parallel`: probe the two lengths in two processes
+    (a fork; pass False in a process whose threads make forking unsafe)."""
+    t_start = time.perf_counter()
+    if step.memory is None:
+        raise AutospError("autosp plan: no --memory and no --seq-len: nothing to answer. Fix: --memory 80GiB (the "
+                          "longest length that fits it), or --seq-len 32768 (the memory that length needs).")
+    mem = step.memory_bytes
+    host, sp, dp, batch, device, offload = (step.host_node_bytes, step.sp, step.dp, step.rank_batch, step.device,
+                                            step.offload)
+    dtype, optimizer, world, sharded = PRECISION_NAMES[step.precision], step.optimizer, step.world, step.sharded
+    host_memory, model = step.host_memory, step.model
+    granule = granularity or sp * 64
+    if granule % sp:
+        raise AutospError(f"--granularity {granule}: lengths must split over sp={sp} ranks. Fix: a multiple of {sp}.")
+    spec = model_config(model)
+    torch_dtype = step.dtype
+    share = step.host_share
+    with fake_world(world):
+        tracer = _tracer(step, spec)
+        n = tracer.n_params
+        st = model_state(step, tracer.param_bytes)
+        host_rank = step.activation_host_bytes(st.host) if offload else None     # what the activations may take
+        out = [f"autosp plan: {describe(spec)}\n  {n / 1e9:.3f}B parameters in {dtype}; mesh dp {dp} x sp {sp}"
+               + (f" (ring {step.ring})" if step.ring else "") + f"; {fmt(mem)} per rank; cost model {device}; "
+               f"{batch} sequence(s) per dp rank", _state_line(st, tracer, optimizer, dtype, dp, sp)]
+        host_line = _host_line(host, host_memory is not None, world, offload, None, state=st.host)
+        refused = _state_fails(step, st, share)
+        if refused:
+            out += [refused, host_line]
+            return Report("\n".join(out), False)
+        fixed = st.params + st.moments                     # live across the step; the step's peak adds the rest
+        avail = mem - fixed
+
+        def tokens(length):                                 # the token ids (labels are the same tensor)
+            return 8 * batch * length
+
+        # no remat keeps every gathered parameter for the backward: the guess leaves room for them
+        kept = tracer.compute_bytes if sharded else 0
+        l1 = max(32 * granule, _rounded(_guess(spec.config, avail - st.grads - kept, torch_dtype, sp, batch), granule))
+        l2 = 4 * l1
+
+        def plan_length(priced) -> int:
+            """The longest length a plan priced at l1 and l2 fits: the device's bytes, and the host's."""
+            a, b = priced[l1], priced[l2]
+            length = Affine.fit(l1, a.values + tokens(l1), l2, b.values + tokens(l2)).longest(avail, granule)
+            if host_rank is not None and b.host > a.host:   # the offloaded bytes grow too: the host caps the length
+                length = min(length, _line(a.host, l1, b.host, l2).longest(host_rank, granule))
+            return length
+
+        q = probe(tracer, l1, l2, device, offload, parallel, host_rank, plan_length, step.tile,
+                  step.host_bandwidth)
+
+        def row(name, p1, p2, length, note=""):
+            """The row of a program priced at both lengths, at `length` (none: 0)."""
+            if not length:
+                return Row(name, length, None, None, note)
+            peak, saved = p1.at(p2, l1, l2, length, tokens)
+            return Row(name, length, peak, tuple(int(_line(a, l1, b, l2).peak(length)) for a, b in zip(p1.comm, p2.comm)),
+                       note, step_seconds(p1.terms, l1, p2.terms, l2, length, device), saved,
+                       int(_line(p1.host, l1, p2.host, l2).peak(length)))
+
+        rows = []
+        for key, name in (("nosp", "no SP"), ("sp", f"SP={sp}, no remat")):
+            p1, p2 = q.profiles[(key, l1)], q.profiles[(key, l2)]
+            if p1.shape != p2.shape or len(p1.values) != len(p2.values):
+                raise AutospError(f"autosp plan: {model}'s program differs between lengths {l1} and {l2}, so its "
+                                  "memory cannot be solved for in closed form. Fix: plan with autosp.plan at the "
+                                  "lengths you need (the Python API).")
+            length = Affine.fit(l1, p1.values + tokens(l1), l2, p2.values + tokens(l2)).longest(avail, granule)
+            rows.append(row(name, p1, p2, length))
+
+        # SP with the ILP plan: the plan with the least peak found at l2, priced at both lengths, so its
+        # longest length is solved for exactly
+        floor_len = rows[1].length
+        pa, pb = q.plan[l1], q.plan[l2]
+        ha, hb = pa.host, pb.host
+        aff = Affine.fit(l1, pa.values + tokens(l1), l2, pb.values + tokens(l2))
+        length = plan_length(q.plan)
+        name = f"SP={sp}, ILP plan (save/recompute{'/offload' if offload else ''})"
+        if length <= floor_len:
+            rows.append(Row(name, floor_len, rows[1].peak, rows[1].comm, "no plan found fits a longer length than "
+                                                                        "saving everything", rows[1].seconds,
+                            rows[1].saved))
+        else:
+            host_bytes = int(_line(ha, l1, hb, l2).peak(length))
+            rows.append(row(name, pa, pb, length,
+                            f"the plan with the least peak found at {l2:,} ({fmt(q.least)}"
+                            + f", by {q.method if q.method != 'ILP' else 'the ILP'}"
+                            + f"), replayed at {l1:,}, "
+                            f"fits up to {length:,}"
+                            + (f"; it tiles {', '.join(_tiled_names(q.tiling))}" if q.tiling else "")
+                            + (f"; it offloads {fmt(host_bytes)} to host memory per rank" if host_bytes else "")
+                            + "; " + _held_back(aff, length, granule, avail, host_bytes, host_rank, ha, hb, l1, l2)))
+            host_line = _host_line(host, host_memory is not None, world, offload, host_bytes,
+                                   q.offload_seconds * host_bytes / hb if hb else None, st.host)
+    # replicated: the gradients are all-reduced after the step, by ring; sharded: reduce-scattered in it
+    dp_comm = 0 if sharded else ring_allreduce_bytes(st.grads, dp)
+    sp_grad = 0 if sharded else ring_allreduce_bytes(st.grads, sp)
+
+    out.append(f"longest trainable sequence (tokens per sequence, a multiple of {granule}) and per-rank memory:\n")
+    out.append("| configuration | longest sequence | memory per rank | model state | the step's peak: saved for "
+               "the backward | + its working set | offloaded to host per rank | collectives sent per rank per step |")
+    out.append("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        seq, par = r.comm or (0, 0)
+        grads = par + dp_comm + (sp_grad if r.name != "no SP" else 0)
+        what = "parameter gathers and gradient reduce-scatters" if sharded else "gradients"
+        if r.length:
+            out.append(f"| {r.name} | {r.length:,} | {fmt(fixed + r.peak)} | {fmt(fixed)} | {fmt(r.saved)} | "
+                       f"{fmt(r.peak - r.saved)} | {fmt(r.host) if r.host else '-'} | "
+                       f"{fmt(seq + grads)} ({fmt(seq)} sequence, {fmt(grads)} {what}) |")
+        else:
+            out.append(f"| {r.name} | none ({granule} tokens do not fit) | - | - | - | - | - | - |")
+    if rows[1].length and rows[2].length:
+        out.append(f"\nILP plan / SP without remat: {rows[2].length / rows[1].length:.2f}x the length"
+                   + (f"; SP without remat / no SP: {rows[1].length / rows[0].length:.2f}x" if rows[0].length else ""))
+    timed = [f"{r.name} {_secs(r.seconds)} ({r.length / r.seconds:,.0f} tokens/s)" for r in rows if r.seconds]
+    if timed:
+        from autosp.remat.cost import device_for
+        d = device_for(device, step.host_bandwidth)
+        out.append("step time per rank at that length, the cost model's estimate "
+                   f"({device}: {d.flops / 1e12:g} TFLOP/s, {d.mem_bw / 1e12:g} TB/s memory, {d.link_bw / 1e9:g} GB/s links; every equation of the step, "
+                   "recomputations included, one after another; host transfers overlap it): " + "; ".join(timed))
+    heads = getattr(spec.config, "num_attention_heads", None)
+    if heads and sp > 1:
+        from autosp.passes.shard_rules import factorise
+        u, r = factorise(sp, heads)
+        out.append(f"attention at sp={sp}: " + (f"Ulysses all-to-all over the {sp} ranks ({heads // sp} of {heads} heads each)"
+                   if r == 1 else f"{heads} heads run out: all-to-all over {u} ranks x ring attention over {r} "
+                   f"(zigzag order; per layer each rank passes {r - 1} K/V block{'s' if r > 2 else ''} around its ring)"))
+    out.append(host_line)
+    out.append(f"\nhow: two meta traces (lengths {l1:,} and {l2:,}) fix each program's bytes at every point of the "
+               "step as an affine function of the length (a program's values are either independent of the length "
+               "or proportional to it), solved for exactly: the no-remat programs, and the ILP plan; " + rows[2].note + ".")
+    if sharded:
+        out.append(f"memory per rank = model state (fp32 master shard + optimizer state, {fmt(fixed)}) + the "
+                   "step's peak, split at the point of the peak into what the forward saved for the backward "
+                   f"(activations, and the gathered {dtype} parameters it keeps) and the working set (the values in "
+                   f"flight, temporaries, collective buffers, the gathered {dtype} parameters in use, the fp32 "
+                   f"gradient shards, the token ids). Parameters are gathered and gradients reduce-scattered over "
+                   f"the {world} ranks inside the step (no separate all-reduce). Without remat every gathered "
+                   f"parameter is kept for the backward ({fmt(tracer.compute_bytes)} for the whole model), as "
+                   "autograd keeps them; the ILP plan may gather again instead. The no-SP row runs every sequence "
+                   f"whole on each rank with the same sharded model state (dp {world} x sp 1: FSDP2 without SP)."
+                   f" Planned in {time.perf_counter() - t_start:.0f} s.")
+    else:
+        out.append(f"memory per rank = model state (parameters + optimizer state, {fmt(fixed)}) + the step's "
+                   "peak, split at the point of the peak into what the forward saved for the backward (activations) "
+                   "and the working set (the values in flight, temporaries, collective buffers, gradients, the token "
+                   "ids). Gradients are all-reduced over sp"
+                   + (" and dp" if dp > 1 else "") + f" by ring ({fmt(sp_grad + dp_comm)} sent per rank)."
+                   f" Planned in {time.perf_counter() - t_start:.0f} s.")
+    best = step.with_length(rows[2].length) if rows[2].length else None
+    if best is not None:
+        out.append(f"\ntrain the ILP row's {best.seq_len:,} tokens (it plans the step again before its first one, "
+                   f"within --memory):\n  {best.train_command()}")
+    return Report("\n".join(out), best is not None, best)
+
+
+# ---------------------------------------------------------------- one length: what `autosp train` runs
+
+@dataclass
+class Fit:
+    """The step at one length, planned as `autosp train` plans it before its first step (the same budget,
+    host capacity, tiling and ring, so the same plan): `autosp plan --seq-len L`'s answer and train's check."""
+    step: Step
+    state: ModelState
+    tokens: int                     # the token ids a rank holds through its step
+    budget: object = None           # the step's remat budget (value_and_grad's memory_budget)
+    host_cap: int = 0               # bytes per rank the plan may offload to host memory
+    plan: object = None             # the remat Plan; None: refused
+    saved: int = 0                  # of the step's peak, the bytes the forward saved for the backward
+    seconds: float = 0.0            # the cost model's step time per rank
+    comm: tuple[int, int] = (0, 0)  # bytes sent per rank: (sequence collectives, parameter collectives)
+    least: int | None = None        # refused by the planner: the least step peak it reaches
+    why: str = ""                   # refused: why
+    report: Report | None = None    # refused: `autosp plan` for the same flags (the longest that fits)
+
+    @property
+    def resident(self) -> int:
+        """Bytes kept across the step: the model state (parameters, optimizer moments) and the token ids."""
+        return self.state.resident + self.tokens
+
+    @property
+    def peak(self) -> int | None:
+        """The predicted per-rank peak of allocated device bytes over a training step, model state included."""
+        return None if self.plan is None else self.resident + self.plan.peak_bytes
+
+    @property
+    def fits(self) -> bool:
+        mem = self.step.memory_bytes
+        return self.plan is not None and (mem is None or self.peak <= mem)
+
+    @property
+    def needed(self) -> int | None:
+        """The memory per rank this length needs at the least (refused: with the least peak found)."""
+        if self.plan is not None:
+            return self.peak
+        return None if self.least is None else self.resident + self.least
+
+    def text(self) -> str:
+        s, L = self.step, self.step.seq_len
+        mem = s.memory_bytes
+        lines = [f"autosp plan: {s.model} at {L:,} tokens, dp {s.dp} x sp {s.sp}"
+                 + (f" (ring {s.ring})" if s.ring else "") + f", {s.global_batch} sequence(s) per step, "
+                 f"{s.precision}, cost model {s.device}" + (f"; {fmt(mem)} per rank" if mem is not None else "")]
+        if self.fits:
+            p = self.plan
+            lines.append(f"-> {L:,} tokens {'fit in ' + fmt(mem) + ' per rank' if mem is not None else 'need'}: "
+                         f"predicted peak {fmt(self.peak)} per rank of allocated device memory = model state "
+                         f"{fmt(self.state.resident)} (parameters {fmt(self.state.params)}, optimizer "
+                         f"{fmt(self.state.moments)}) + token ids {fmt(self.tokens)} + the step's peak "
+                         f"{fmt(p.peak_bytes)} (saved for the backward {fmt(self.saved)}, working set "
+                         f"{fmt(p.peak_bytes - self.saved)})")
+            host = self.state.host + p.offload_bytes
+            lines.append(f"   host memory per rank: {fmt(host)}" + (
+                f" ({fmt(p.offload_bytes)} of activations offloaded, within this rank's {fmt(self.host_cap)}"
+                + (f"; {fmt(self.state.host)} of optimizer state" if self.state.host else "") + ")"
+                if host else " (nothing offloaded)"))
+            how = (f"budget {fmt(p.budget_bytes)}" if p.budget_bytes is not None else "no budget") + (
+                ", no remat needed" if p.peak_bytes >= p.no_remat_peak_bytes else
+                f", {sum(d.action == 'recompute' for d in p.decisions)} values recomputed"
+                + (f", {sum(d.action == 'offload' for d in p.decisions)} offloaded" if p.offload_bytes else "")
+                + (f" (found by {p.method})" if p.method != "ILP" else ""))
+            if p.tiling:
+                how += "; tiles " + ", ".join(_tiled_names(p.tiling))
+            lines.append(f"   the step's plan: {how}; no-remat peak {fmt(p.no_remat_peak_bytes)}")
+            lines.append(f"   step time per rank, the cost model's estimate: {_secs(self.seconds)} "
+                         f"({s.rank_batch * L / self.seconds:,.0f} tokens/s); collectives sent per rank: "
+                         f"{fmt(sum(self.comm))}")
+            lines.append(f"train it:\n  {s.train_command()}")
+            return "\n".join(lines)
+        lines.append(self.refusal())
+        return "\n".join(lines)
+
+    def refusal(self) -> str:
+        """Why this length does not fit, the longest that does, and what would make it fit."""
+        s, L, mem = self.step, self.step.seq_len, self.step.memory_bytes
+        if self.plan is None and self.least is None:
+            return self.why
+        need = self.needed
+        head = (f"{L:,} tokens do not fit in {fmt(mem)} per rank: " if mem is not None else
+                f"{L:,} tokens cannot be planned under --memory-budget {s.memory_budget}: ")
+        if self.plan is not None:
+            head += (f"the plan under --memory-budget {s.memory_budget} peaks at {fmt(need)} per rank (model state and "
+                     f"token ids {fmt(self.resident)} + the step's {fmt(self.plan.peak_bytes)})")
+        else:
+            head += (f"the least peak autosp reaches at that length is {fmt(need)} per rank (model state and token "
+                     f"ids {fmt(self.resident)} + the step's least {fmt(self.least)})")
+        fixes = []
+        if self.report is not None and self.report.length:
+            fixes.append(f"--seq-len {self.report.length} (the longest length these flags fit: "
+                         f"{self.report.step.train_command()})")
+        elif self.report is not None:
+            fixes.append("no length fits these flags (autosp plan says why)")
+        if mem is not None and need is not None:
+            fixes.append(f"--memory {_up(need)} or more")
+        fixes.append(f"more sequence-parallel ranks (--sp {2 * s.sp})")
+        if not s.offload:
+            fixes.append("--offload (activations to host memory)")
+        if not s.optimizer_offload and s.optimizer == "adamw":
+            fixes.append("--optimizer-offload")
+        return head + ". Fix: " + ", ".join(fixes) + "."
+
+
+def _up(n: int) -> str:
+    """A size at least n, written as a flag takes it (MiB or GiB, rounded up)."""
+    import math
+    if n >= 2**30:
+        return f"{math.ceil(n / 2**30 * 100) / 100:g}GiB"
+    return f"{math.ceil(n / 2**20 * 100) / 100:g}MiB"
+
+
+def at_length(step: Step, *, with_longest: bool = True, parallel: bool = True) -> Fit:
+    """The step at step.seq_len, planned as train plans it (see Fit). Refused with --memory and `with_longest`:
+    the report of `longest` for the same flags is attached (the longest length that fits)."""
+    from autosp.remat import BudgetError, plan_step
+    from autosp.remat.cost import device_for, eqn_cost
+    from autosp.run.plan import _profile, comm_bytes
+    if step.seq_len is None:
+        raise AutospError("autosp plan: at_length needs --seq-len. Fix: pass --seq-len, or plan the longest length.")
+    spec = model_config(step.model)
+    with fake_world(step.world):
+        tracer = _tracer(step, spec)
+        st = model_state(step, tracer.param_bytes)
+        fit = Fit(step, st, step.token_bytes())
+        refused = _state_fails(step, st, step.host_share)
+        if refused:
+            fit.why = refused
+            return fit
+        fit.budget = step.step_budget(fit.resident)
+        fit.host_cap = step.activation_host_bytes(st.host)
+        local = tracer.trace(step.seq_len, single=False).local
+        try:
+            fit.plan, program, _, _ = plan_step(local, 1.0 if fit.budget is None else fit.budget, device=step.device,
+                                                host_bandwidth=step.host_bandwidth, host_memory=fit.host_cap,
+                                                tiles=None if step.tile else {})
+        except BudgetError as exc:
+            fit.least, fit.why = exc.least_peak_bytes, str(exc)
+        else:
+            values, saved, _ = _profile(program, step.device)
+            fit.saved = int(saved[int(np.argmax(values))])
+            dev = device_for(step.device, step.host_bandwidth)
+            fit.seconds = sum(eqn_cost(e, dev).seconds for g in (program.forward, program.backward) for e in g.eqns)
+            fit.comm = comm_bytes(program)
+    if not fit.fits and with_longest and step.memory is not None:
+        fit.report = longest(step.with_length(None), parallel=parallel)
+    return fit
