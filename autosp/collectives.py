@@ -16,6 +16,8 @@ head on a gathered value) is then counted once, not once per rank.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -45,6 +47,23 @@ def _release(*buffers: Tensor, keep=()) -> None:
     for b in buffers:
         if b.untyped_storage().data_ptr() not in kept:
             b.untyped_storage().resize_(0)
+
+
+@contextlib.contextmanager
+def _handed(pg, *tensors: Tensor):
+    """The tensors to hand a collective: on gloo, aliases of them (the same storage), emptied once it returns.
+    gloo's worker thread lets go of a collective's tensors when it gets to it, on busy cores often after the caller
+    let go of them too: the worker would free them, at a time set by thread timing (and a free on another thread
+    is one the profiler, which measures a CPU step, never records)."""
+    if dist.get_backend(pg) != "gloo":
+        yield tensors
+        return
+    # fresh tensors on the same storage: emptying them later touches no version counter of ours
+    handles = tuple(t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+                    for t in tensors)
+    yield handles
+    for h in handles:                    # what the worker still holds is then no storage of ours
+        h.set_()
 
 
 def _split_seq(shape, dim, outer, inner):
@@ -111,7 +130,9 @@ shard_slice.register_autograd(_shard_slice_backward, setup_context=_shard_slice_
 @torch.library.custom_op("autosp::all_reduce_sum", mutates_args=())
 def all_reduce_sum(x: Tensor, group_name: str) -> Tensor:
     out = x.clone()
-    dist.all_reduce(out, group=_pg(group_name))
+    pg = _pg(group_name)
+    with _handed(pg, out) as (h,):
+        dist.all_reduce(h, group=pg)
     return out
 
 
@@ -336,19 +357,23 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 def _gather_rows(send: Tensor, group_name: str) -> Tensor:
     """Every rank's `send` (the same shape everywhere) concatenated along dim 0, in group rank order."""
     p = group_size(group_name)
+    pg = _pg(group_name)
     out = send.new_empty((p * send.shape[0],) + tuple(send.shape[1:]))
+    if dist.get_backend(pg) == "gloo":                  # the list form: gloo holds only the handles given it
+        with _handed(pg, send, *out.chunk(p)) as (src, *parts):
+            dist.all_gather(parts, src, group=pg)
+        return out
     try:
-        _ALL_GATHER(out, send, group=_pg(group_name))
+        _ALL_GATHER(out, send, group=pg)
     except (RuntimeError, NotImplementedError):         # a backend without it: the list form
-        dist.all_gather(list(out.chunk(p)), send, group=_pg(group_name))
+        dist.all_gather(list(out.chunk(p)), send, group=pg)
     return out
 
 
 def _scatter_sum_rows(full: Tensor, group_name: str) -> Tensor:
     """The sum over ranks of `full` (which it may overwrite), this rank's 1/P of its rows (reduce-scatter).
-    gloo reduce-scatters by all-reducing a clone of the input that its worker thread frees: it sends the
-    same bytes all-reducing `full` in place, without the clone, and the step's memory then does not depend
-    on when that thread lets go (the profiler, which measures it, sees no free made on another thread)."""
+    gloo reduce-scatters by all-reducing a clone of the whole input: all-reducing `full` in place sends the
+    same bytes without the clone (the memory model counts `full` and the shard, liveness.WORKSPACE)."""
     p = group_size(group_name)
     pg = _pg(group_name)
     out = full.new_empty((full.shape[0] // p,) + tuple(full.shape[1:]))

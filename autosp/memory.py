@@ -13,6 +13,12 @@ profiler session per step so that each step's figure is known when it ends; late
 measured (the profiler slows a step). Host buffers (autosp.remat.offload.host_empty: the offload
 pool, ZeRO-Offload's state) come from numpy's allocator and are not among them, as a GPU's
 pinned host memory is not among its allocator's bytes.
+
+The profiler records an allocation's free only on a thread it profiles (its option to profile all threads
+records no allocations at all, torch 2.13). gloo's worker threads free what a collective holds when they let
+go of it, which may be after its caller did: autosp's collectives empty the handles they give gloo
+(collectives._let_go), and `_Ledger` frees a buffer allocated inside a collective (a `c10d::` or `gloo:` op:
+its flattened copies) whose free no session saw where the collective returned (the worker was done with it).
 """
 from __future__ import annotations
 
@@ -55,11 +61,59 @@ def _quiet_stderr():
         os.close(null)
 
 
+_COLLECTIVE = ("c10d::", "gloo:")           # the profiler's names of collectives' own ops
+
+
+class _Ledger:
+    """The allocations of consecutive profiler sessions, with the frees a collective's worker thread made (which
+    the profiler does not record) put back where the collective returned."""
+
+    def __init__(self):
+        self.put_back: set[int] = set()      # pointers freed here on a worker's behalf: their late free is dropped
+
+    def sizes(self, prof) -> list[int]:
+        """The signed sizes of a closed session's allocation events (frees negative), in time order."""
+        events = []                          # (time, bytes, pointer, end of the collective it was made in)
+
+        def walk(ev, collective):
+            f = ev.extra_fields
+            if type(f).__name__ == "_ExtraFields_Allocation":
+                events.append((ev.start_time_ns, int(f.alloc_size), int(f.ptr), collective))
+                return
+            if collective is None and ev.name.startswith(_COLLECTIVE):
+                collective = ev.end_time_ns
+            for c in ev.children:
+                walk(c, collective)
+
+        for root in prof.profiler.kineto_results.experimental_event_tree():
+            walk(root, None)
+        events.sort(key=lambda e: e[0])
+        live: dict[int, tuple[int, int | None]] = {}
+        kept = []
+        for t, n, ptr, collective in events:
+            if n > 0:
+                live[ptr] = (n, collective)
+                self.put_back.discard(ptr)
+            elif ptr in self.put_back:       # freed by the worker, already put back: not twice
+                self.put_back.discard(ptr)
+                continue
+            else:
+                live.pop(ptr, None)
+            kept.append((t, n))
+        for ptr, (n, collective) in live.items():
+            if collective is not None:       # a collective's own buffer, never freed where the profiler could see
+                kept.append((collective, -n))
+                self.put_back.add(ptr)
+        kept.sort(key=lambda e: e[0])
+        return [n for _, n in kept]
+
+
 class _Session:
     """One profiler session recording allocation events, quiet on the terminal."""
 
-    def __init__(self):
+    def __init__(self, ledger: _Ledger | None = None):
         from torch.profiler import ProfilerActivity, profile
+        self.ledger = ledger or _Ledger()
         self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         with _quiet_stderr():
             self.prof.__enter__()
@@ -68,9 +122,7 @@ class _Session:
         """The signed sizes of the session's allocation events (frees negative), in time order."""
         with _quiet_stderr():
             self.prof.__exit__(None, None, None)
-        events = [e for e in self.prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-        events.sort(key=lambda e: e.start_ns())
-        return [e.nbytes() for e in events]
+        return self.ledger.sizes(self.prof)
 
 
 def allocation_trace(step) -> tuple[list[int], object]:
@@ -104,8 +156,9 @@ class StepMeter:
         self.left = steps
         self.live = 0                        # CPU: bytes allocated in all at the start of the session
         self.session = None
+        self.ledger = _Ledger()
         if not self.cuda and steps > 0:
-            self.session = _Session()
+            self.session = _Session(self.ledger)
 
     @property
     def kind(self) -> str:
@@ -129,7 +182,7 @@ class StepMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self.session is not None:
             self._close()
-            self.session = _Session()
+            self.session = _Session(self.ledger)
 
     def lap(self) -> int | None:
         """The peak of the step that ends now; the next one starts."""
@@ -143,7 +196,7 @@ class StepMeter:
         peak = self._close()
         self.left -= 1
         if self.left > 0:
-            self.session = _Session()
+            self.session = _Session(self.ledger)
         return peak
 
     def close(self) -> None:

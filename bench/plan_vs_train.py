@@ -26,7 +26,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MEMORY = {"tiny": ["32MiB", "64MiB"], "small": ["224MiB", "288MiB"]}
+MEMORY = {"tiny": ["32MiB", "64MiB"], "small": ["320MiB", "384MiB"]}
 HOST = "2GiB"                   # per node with --offload: 1 GiB per rank at sp 2
 
 

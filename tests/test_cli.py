@@ -255,7 +255,7 @@ def test_train_runs_what_plan_promises_within_its_memory(model, tmp_path, capsys
     assert command.startswith("autosp train "), stdout
     argv = shlex.split(command)[1:]
     length = int(argv[argv.index("--seq-len") + 1])
-    assert length == _rows(stdout)["SP=2, ILP plan (save/recompute)"] > _rows(stdout)["SP=2, no remat"]
+    assert length >= _rows(stdout)["SP=2, ILP plan (save/recompute)"] > _rows(stdout)["SP=2, no remat"]
     out = tmp_path / "run"
     rc, stdout, stderr, _ = autosp(argv + ["--steps", "3", "--out", str(out), "--timeout", "60"])
     assert rc == 0, stderr
@@ -456,11 +456,14 @@ def test_plan_orders_the_three_configurations(model):
     assert f"{fmt(2 * master)} parameter gathers and gradient reduce-scatters" in no_sp, no_sp
     assert "no separate all-reduce" in text and "host memory per node: 1.00 TiB (assumed" in text
 
-    # the answer ends with the command that trains the ILP row's length with these flags
-    assert report.ok and report.length == rows["SP=2, ILP plan (save/recompute)"]
+    # the answer ends with the command that trains the longest length train's own plan fits, from the ILP row's
+    # (the least-peak plan found at the longer probe, replayed: train plans each length for itself, and reaches
+    # at least as far), one granule more refused
+    assert report.ok and report.length >= rows["SP=2, ILP plan (save/recompute)"]
+    assert (f"{report.length:,} tokens fit" in text and f"{report.length + 128:,} do not" in text), text
     assert text.splitlines()[-1] == (f"  autosp train --model {model} --sp 2 --seq-len {report.length} --batch 1 "
                                      "--precision fp32 --device cpu --memory 24MiB"), text.splitlines()[-1]
-    old = longest(Step(model, sp=2, memory="24MiB", shard_params=False), parallel=False).text
+    old = longest(Step(model, sp=2, memory="24MiB", shard_params=False), parallel=False, check=False).text
     assert f"model state per rank (replicated over sp and dp): parameters {fmt(2 * master)}," in old, old
     assert "Gradients are all-reduced over sp by ring" in old and "parameter gathers" not in old
     assert set(_rows(old)) == set(rows)
@@ -542,7 +545,7 @@ def test_plan_offloads_within_each_ranks_share_of_the_node_host_memory(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(dict(CONFIG, num_hidden_layers=4)))
     model = str(tmp_path)
     step = Step(model, sp=2, memory="24MiB", device="cuda", offload=True, host_memory="64MiB")
-    text = longest(step, parallel=False).text
+    text = longest(step, parallel=False, check=False).text
     line = next(x for x in text.splitlines() if x.startswith("host memory per node"))
     assert "64.00 MiB (--host-memory), 32.00 MiB per rank at 2 per node (the ILP plan's host capacity)" in line, line
     got = re.search(r"planned on the host: ([0-9.]+) (KiB|MiB) per rank", line)
@@ -550,7 +553,7 @@ def test_plan_offloads_within_each_ranks_share_of_the_node_host_memory(tmp_path)
     assert "the transfers to host and back take" in line and "ms per step" in line, line
     assert "SP=2, ILP plan (save/recompute/offload)" in text
     # offloading lengthens the row: the plan without it is one of those the search weighs
-    without = longest(Step(model, sp=2, memory="24MiB", device="cuda"), parallel=False).text
+    without = longest(Step(model, sp=2, memory="24MiB", device="cuda"), parallel=False, check=False).text
     assert _rows(text)["SP=2, ILP plan (save/recompute/offload)"] > _rows(without)["SP=2, ILP plan (save/recompute)"]
 
 

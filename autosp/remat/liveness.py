@@ -147,12 +147,20 @@ def _cpu_flash_forward(e: Eqn) -> int:
 
 
 def _cpu_flash_backward(e: Eqn) -> int:
-    # per thread: the block's probabilities and their gradient; shared: dQ accumulated in the
-    # accumulation type (fp32 and fp64 measured exactly; half precision has more, not modelled)
+    # per thread: the block's probabilities and their gradient in the accumulation type (and, in half
+    # precision, again in the input's); shared: a query-sized buffer in the input's type and a row of the
+    # accumulation type (fp32 and fp64 measured exactly). Half precision's GEMMs (oneDNN) also take a scratch
+    # per call: counted by an envelope of its measured sizes (x86, bf16: heads of 16 to 128, the three block
+    # shapes; at most 100 KiB over, 32 KiB at head dim 32 with 256 x 512 blocks)
     q, k = e.inputs[1], e.inputs[2]
     qs, ks = _cpu_flash_split(q.shape[-2], k.shape[-2])
     acc = 8 if q.dtype == torch.float64 else 4
-    return acc * (torch.get_num_threads() * 2 * qs * ks + q.numel() + qs)
+    threads = torch.get_num_threads()
+    if q.dtype.itemsize >= 4:
+        return acc * (threads * 2 * qs * ks + q.numel() + qs)
+    item = q.dtype.itemsize
+    scratch = 4 * min(q.shape[-1], 64) * (qs + ks) + 512 * qs + 8192
+    return item * q.numel() + threads * (2 * qs * ks * (acc + item) + scratch) + acc * qs
 
 
 # aten overload -> its workspace, where the canonical op name covers kernels that differ (every

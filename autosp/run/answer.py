@@ -155,10 +155,11 @@ def _state_fails(step: Step, st: ModelState, share: int) -> str | None:
     return None
 
 
-def longest(step: Step, *, parallel: bool = True, granularity: int | None = None) -> Report:
+def longest(step: Step, *, parallel: bool = True, granularity: int | None = None, check: bool = True) -> Report:
     """The report of `autosp plan` without --seq-len: the longest length each configuration trains within
     step.memory (see plan.py's docstring for the method). `parallel`: probe the two lengths in two processes
-    (a fork; pass False in a process whose threads make forking unsafe)."""
+    (a fork; pass False in a process whose threads make forking unsafe). `check`: hold the ILP row's length to
+    train's own verdict (_checked); False answers the row's length as it is."""
     t_start = time.perf_counter()
     if step.memory is None:
         raise AutospError("autosp plan: no --memory and no --seq-len: nothing to answer. Fix: --memory 80GiB (the "
@@ -311,9 +312,37 @@ def longest(step: Step, *, parallel: bool = True, granularity: int | None = None
                    f" Planned in {time.perf_counter() - t_start:.0f} s.")
     best = step.with_length(rows[2].length) if rows[2].length else None
     if best is not None:
-        out.append(f"\ntrain the ILP row's {best.seq_len:,} tokens (it plans the step again before its first one, "
-                   f"within --memory):\n  {best.train_command()}")
+        length, note = _checked(best, granule, parallel) if check else (best.seq_len, "not checked against train's plan")
+        best = best.with_length(length)
+        out.append(f"\n{note}\ntrain it (it plans the step again before its first one, within --memory):\n"
+                   f"  {best.train_command()}")
     return Report("\n".join(out), best is not None, best)
+
+
+def _checked(step: Step, granule: int, parallel: bool = True) -> tuple[int, str]:
+    """The ILP row's length held to the plan `autosp train` makes (at_length): the longest multiple of `granule`
+    near it that train's plan fits, one granule more refused. The row's plan is the least-peak plan found at the
+    longer probe; train plans the cheapest within the budget at its own length, trying every tiling, which may
+    reach a little further (or, rarely, not as far). (length, the line that says so)"""
+    from autosp.run.plan import _both
+
+    def fits(length: int) -> bool:
+        return at_length(step.with_length(length), with_longest=False, quick=True).fits
+
+    first = length = step.seq_len
+    at, up = _both(lambda: fits(length), lambda: fits(length + granule), parallel)
+    while up:
+        length += granule
+        up = fits(length + granule)
+    while not at and length > granule:
+        length -= granule
+        at = fits(length)
+    if not at:
+        return first, f"checked: train's own plan fits no multiple of {granule} tokens up to {first:,}"
+    how = ("the ILP row's length" if length == first else
+           f"{(length - first) // granule:+d} granule(s) from the ILP row's {first:,}")
+    return length, (f"checked against the plan autosp train makes (autosp plan --seq-len): {length:,} tokens fit "
+                    f"({how}), {length + granule:,} do not")
 
 
 # ---------------------------------------------------------------- one length: what `autosp train` runs
@@ -334,6 +363,7 @@ class Fit:
     least: int | None = None        # refused by the planner: the least step peak it reaches
     why: str = ""                   # refused: why
     report: Report | None = None    # refused: `autosp plan` for the same flags (the longest that fits)
+    verdict: bool | None = None     # the budget is what --memory leaves: whether the least peak fits it (fits)
 
     @property
     def resident(self) -> int:
@@ -347,7 +377,11 @@ class Fit:
 
     @property
     def fits(self) -> bool:
+        """Within --memory: the least peak the planner reaches at this length (the verdict, when the budget is what
+        --memory leaves) is within the budget; else a plan was made and its peak is within --memory."""
         mem = self.step.memory_bytes
+        if self.verdict is not None:
+            return self.verdict
         return self.plan is not None and (mem is None or self.peak <= mem)
 
     @property
@@ -430,12 +464,16 @@ def _up(n: int) -> str:
     return f"{math.ceil(n / 2**20 * 100) / 100:g}MiB"
 
 
-def at_length(step: Step, *, with_longest: bool = True, parallel: bool = True) -> Fit:
+def at_length(step: Step, *, with_longest: bool = True, parallel: bool = True, quick: bool = False) -> Fit:
     """The step at step.seq_len, planned as train plans it (see Fit). Refused with --memory and `with_longest`:
-    the report of `longest` for the same flags is attached (the longest length that fits)."""
-    from autosp.remat import BudgetError, plan_step
-    from autosp.remat.cost import device_for, eqn_cost
-    from autosp.run.plan import _profile, comm_bytes
+    the report of `longest` for the same flags is attached (the longest length that fits).
+
+    When the budget is what --memory leaves the step, whether it fits is one verdict, the same for `autosp plan
+    --seq-len`, train's check before its first step and `autosp plan`'s check of its own answer: the least peak
+    the planner reaches at this length (its least-peak search, as `autosp plan` runs it, on the step tiled as far
+    as it goes and untiled: the lower) within that budget. Train's planner then finds a plan within it (the
+    same search at the same tilings, finer). `quick`: the verdict alone, without the plan train runs."""
+    from autosp.remat import plan_step
     if step.seq_len is None:
         raise AutospError("autosp plan: at_length needs --seq-len. Fix: pass --seq-len, or plan the longest length.")
     spec = model_config(step.model)
@@ -445,23 +483,43 @@ def at_length(step: Step, *, with_longest: bool = True, parallel: bool = True) -
         fit = Fit(step, st, step.token_bytes())
         refused = _state_fails(step, st, step.host_share)
         if refused:
-            fit.why = refused
+            fit.why, fit.verdict = refused, False
             return fit
         fit.budget = step.step_budget(fit.resident)
         fit.host_cap = step.activation_host_bytes(st.host)
         local = tracer.trace(step.seq_len, single=False).local
-        try:
-            fit.plan, program, _, _ = plan_step(local, 1.0 if fit.budget is None else fit.budget, device=step.device,
-                                                host_bandwidth=step.host_bandwidth, host_memory=fit.host_cap,
-                                                tiles=None if step.tile else {})
-        except BudgetError as exc:
-            fit.least, fit.why = exc.least_peak_bytes, str(exc)
-        else:
-            values, saved, _ = _profile(program, step.device)
-            fit.saved = int(saved[int(np.argmax(values))])
-            dev = device_for(step.device, step.host_bandwidth)
-            fit.seconds = sum(eqn_cost(e, dev).seconds for g in (program.forward, program.backward) for e in g.eqns)
-            fit.comm = comm_bytes(program)
-    if not fit.fits and with_longest and step.memory is not None:
+        args = dict(device=step.device, host_bandwidth=step.host_bandwidth, host_memory=fit.host_cap)
+        tiles = None if step.tile else {}
+        if step.memory_budget is None and step.memory is not None:         # the budget is what --memory leaves
+            least = plan_step(local, "least", refine=False, tiles=tiles, **args)[0]
+            fit.least = least.peak_bytes
+            fit.verdict = fit.least <= fit.budget
+            if not fit.verdict:
+                fit.why = (f"the least peak autosp reaches is {fmt(fit.least)}, {fmt(fit.least - fit.budget)} over "
+                           f"the {fmt(fit.budget)} --memory leaves the step")
+        if quick:
+            return fit
+        if fit.verdict is not False:
+            _plan_it(fit, local, tiles, args)
+    if not fit.fits and with_longest and step.memory is not None and not fit.why.startswith("->"):
         fit.report = longest(step.with_length(None), parallel=parallel)
     return fit
+
+
+def _plan_it(fit: Fit, local, tiles, args) -> None:
+    """Fill in the plan train's ranks will make for `local` under fit.budget, with its split, time and traffic."""
+    from autosp.remat import BudgetError, plan_step
+    from autosp.remat.cost import device_for, eqn_cost
+    from autosp.run.plan import _profile, comm_bytes
+    step = fit.step
+    budget = 1.0 if fit.budget is None else fit.budget        # no budget: what autograd saves, planned
+    try:
+        fit.plan, program, _, _ = plan_step(local, budget, tiles=tiles, **args)
+    except BudgetError as exc:
+        fit.least, fit.why, fit.verdict = exc.least_peak_bytes, str(exc), False
+        return
+    values, saved, _ = _profile(program, step.device)
+    fit.saved = int(saved[int(np.argmax(values))])
+    dev = device_for(step.device, step.host_bandwidth)
+    fit.seconds = sum(eqn_cost(e, dev).seconds for g in (program.forward, program.backward) for e in g.eqns)
+    fit.comm = comm_bytes(program)
