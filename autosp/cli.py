@@ -18,23 +18,13 @@ import os
 import sys
 
 from autosp.errors import AutospError
+from autosp.run.config import add_step_flags, positive as _positive
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message}. Fix: see `{self.prog} --help`.\n")
-
-
-def _positive(kind=int):
-    def check(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {'number' if kind is float else 'whole number'}")
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text} must be positive")
-        return value
-    return check
 
 
 def _nonneg(text):
@@ -48,7 +38,6 @@ def _nonneg(text):
 
 
 def parser() -> argparse.ArgumentParser:
-    from autosp.run.config import add_step_flags
     top = _Parser(prog="autosp", description="Automatic sequence parallelism: plan, train and explain "
                                              "long-context training runs.")
     verbs = top.add_subparsers(dest="verb", metavar="{train,plan,explain}", parser_class=_Parser)

@@ -22,8 +22,6 @@ from autosp.run.models import describe, model_config
 from autosp.run.plan import (_MOMENTS, Affine, Row, Tracer, _guess, _held_back, _line, _rounded, _secs,
                              _tiled_names, fmt, probe, ring_allreduce_bytes, step_seconds)
 
-PRECISION_NAMES = PRECISIONS          # fp32 -> float32: how the report names a precision
-
 
 @dataclass
 class ModelState:
@@ -167,7 +165,7 @@ def longest(step: Step, *, parallel: bool = True, granularity: int | None = None
     mem = step.memory_bytes
     host, sp, dp, batch, device, offload = (step.host_node_bytes, step.sp, step.dp, step.rank_batch, step.device,
                                             step.offload)
-    dtype, optimizer, world, sharded = PRECISION_NAMES[step.precision], step.optimizer, step.world, step.sharded
+    dtype, optimizer, world, sharded = PRECISIONS[step.precision], step.optimizer, step.world, step.sharded
     host_memory, model = step.host_memory, step.model
     granule = granularity or sp * 64
     if granule % sp:

@@ -24,14 +24,18 @@ RANKS_PER_NODE = 8            # ranks that share a node's host memory (an 8-GPU 
 CPU_HOST_BANDWIDTH = 5e9      # bytes/s the cost model gives a CPU's copies into the host pool (--offload on CPU)
 
 
-def _positive(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text} must be positive")
-    return value
+def positive(kind=int):
+    """An argparse type: a positive `kind` (int or float)."""
+    def check(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {'number' if kind is float else 'whole number'}") \
+                from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text} must be positive")
+        return value
+    return check
 
 
 def add_step_flags(p: argparse.ArgumentParser, verb: str) -> None:
@@ -40,17 +44,17 @@ def add_step_flags(p: argparse.ArgumentParser, verb: str) -> None:
     g.add_argument("--model", required=verb != "train", default="tiny" if verb == "train" else None,
                    help="preset (tiny, small, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b) or a Hugging Face "
                    "config.json / model folder" + (" (default tiny)" if verb == "train" else ""))
-    g.add_argument("--sp", type=_positive, default=None, help="sequence-parallel ranks (default: the launcher's "
+    g.add_argument("--sp", type=positive(), default=None, help="sequence-parallel ranks (default: the launcher's "
                    "world / dp under torchrun, else the visible GPUs, else 2)")
-    g.add_argument("--dp", type=_positive, default=1, help="data-parallel ranks (default 1)")
-    g.add_argument("--ring", type=_positive, default=None, help="ring attention over R of the sp ranks (sp = U x "
+    g.add_argument("--dp", type=positive(), default=1, help="data-parallel ranks (default 1)")
+    g.add_argument("--ring", type=positive(), default=None, help="ring attention over R of the sp ranks (sp = U x "
                    "R, an all-to-all over U); default: autosp factorises (a ring only where the heads run out)")
-    g.add_argument("--seq-len", type=_positive, default=None, required=verb == "explain",
+    g.add_argument("--seq-len", type=positive(), default=None, required=verb == "explain",
                    help={"train": "tokens per sequence (default 512)",
                          "plan": "answer for this length: whether it fits, its memory and time (default: the "
                                  "longest length that fits --memory)",
                          "explain": "tokens per sequence"}[verb])
-    g.add_argument("--batch", type=_positive, default=None, help="sequences per step over all dp ranks "
+    g.add_argument("--batch", type=positive(), default=None, help="sequences per step over all dp ranks "
                    "(default dp: one per dp rank)")
     g.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
                    help="fp32, or bf16: FSDP2's mixed precision (bf16 parameters gathered and computed, fp32 master "
