@@ -37,11 +37,22 @@ def _nonneg(text):
     return value
 
 
-def parser() -> argparse.ArgumentParser:
-    top = _Parser(prog="autosp", description="Automatic sequence parallelism: plan, train and explain "
-                                             "long-context training runs.")
-    verbs = top.add_subparsers(dest="verb", metavar="{train,plan,explain}", parser_class=_Parser)
+VERBS = "{train,plan,explain,eval,export}"
 
+
+def parser() -> argparse.ArgumentParser:
+    top = _Parser(prog="autosp", description="Automatic sequence parallelism: plan, train, evaluate, export and "
+                                             "explain long-context training runs.")
+    verbs = top.add_subparsers(dest="verb", metavar=VERBS, parser_class=_Parser)
+    _train_parser(verbs)
+    _plan_parser(verbs)
+    _explain_parser(verbs)
+    _eval_parser(verbs)
+    _export_parser(verbs)
+    return top
+
+
+def _train_parser(verbs) -> None:
     t = verbs.add_parser("train", help="train a model on sp x dp ranks (torch.distributed.run)",
                          description="Train a causal LM with autosp on dp x sp ranks, launched through "
                                      "torch.distributed.run (or on the ranks of an outer torchrun). With --memory "
@@ -55,17 +66,37 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor as a fraction of --lr")
     r.add_argument("--weight-decay", type=float, default=0.1)
     r.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: none)")
-    r.add_argument("--data", default=None, help="token file (.npy, .bin) or text file; default: the Python "
-                   "standard library's source as bytes")
-    r.add_argument("--token-dtype", default="uint16", choices=["uint16", "uint32"], help="token type of a .bin file")
-    r.add_argument("--out", default=None, help="run folder: checkpoints, metrics.jsonl, loss.png "
+    _data_flags(r)
+    r.add_argument("--out", default=None, help="run folder: checkpoints, metrics.jsonl, loss.png, TensorBoard events "
                    "(default runs/MODEL)")
     r.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
     r.add_argument("--save-every", type=_nonneg, default=0, help="checkpoint every N steps (and always at the end)")
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--timeout", type=_positive(float), default=300.0,
-                   help="seconds a collective waits for a silent rank before the run stops (default 300)")
+    r.add_argument("--eval-every", type=_nonneg, default=0, help="evaluate on held-out data every N steps (0: never)")
+    r.add_argument("--eval-data", default=None, help="held-out data (as --data); default: the last --eval-fraction "
+                   "of --data, which training then leaves out")
+    r.add_argument("--eval-fraction", type=float, default=0.02, help="of --data held out for --eval-every (0.02)")
+    r.add_argument("--eval-batches", type=_positive(), default=4, help="batches each evaluation reads (default 4)")
+    r.add_argument("--export", action="store_true", help="at the end, write OUT/hf: a Hugging Face folder of the last "
+                   "checkpoint (autosp export)")
+    _launcher_flags(t)
+
+
+def _data_flags(g, default: str = "the Python standard library's source as bytes (byte-level models)") -> None:
+    g.add_argument("--data", default=None, help="text (.txt, .jsonl, .jsonl.gz, .parquet, a folder of them, or a "
+                   "dataset saved with datasets' save_to_disk), tokenized once into a cache; or tokens (.npy, .bin); "
+                   f"default: {default}")
+    g.add_argument("--tokenizer", default=None, help="a saved Hugging Face tokenizer's folder (default: the model "
+                   "folder's own; the byte-level presets read bytes)")
+    g.add_argument("--text-field", default="text", help="the JSONL field / Parquet or dataset column of the text")
+    g.add_argument("--cache-dir", default=None, help="where tokenized text is kept (default ~/.cache/autosp/tokens)")
+    g.add_argument("--token-dtype", default="uint16", choices=["uint16", "uint32"], help="token type of a .bin file")
+
+
+def _launcher_flags(t) -> None:
     launcher = t.add_argument_group("launcher (passed to torch.distributed.run)")
+    launcher.add_argument("--timeout", type=_positive(float), default=300.0,
+                          help="seconds a collective waits for a silent rank before the run stops (default 300)")
     launcher.add_argument("--nnodes", default="1")
     launcher.add_argument("--nproc-per-node", type=_positive(), default=None, help="default: dp x sp / nnodes")
     launcher.add_argument("--node-rank", type=int, default=None)
@@ -75,6 +106,8 @@ def parser() -> argparse.ArgumentParser:
     launcher.add_argument("--log-dir", default=None, help="per-rank logs (torchrun's --log-dir)")
     launcher.add_argument("--verbose", action="store_true", help="show the launcher's own log")
 
+
+def _plan_parser(verbs) -> None:
     p = verbs.add_parser("plan", help="the longest trainable sequence per rank, or one length's memory; runs nothing",
                          description="Predict, without running anything, the longest sequence each rank can "
                                      "train within --memory (no SP, SP without remat, SP with autosp's ILP plan), "
@@ -84,13 +117,47 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--granularity", type=_positive(), default=None,
                    help="report lengths as multiples of this (default sp x 64)")
 
+
+def _explain_parser(verbs) -> None:
     e = verbs.add_parser("explain", help="the sharded program and its remat plan, with a memory timeline PNG",
                          description="Print the sharded program's summary (layouts, collectives, remat plan) "
                                      "and plot the per-rank memory over one step, with and without the plan.")
     add_step_flags(e, "explain")
     e.add_argument("--full", action="store_true", help="print every program, not the summary")
     e.add_argument("--png", default=None, help="timeline image (default explain-MODEL-sSEQ-spN.png)")
-    return top
+
+
+def _eval_parser(verbs) -> None:
+    v = verbs.add_parser("eval", help="evaluate a run or a model folder, sequence-parallel: loss by position, passkey",
+                         description="Forward only, on sp x dp ranks: the mean loss and perplexity of --data and the "
+                                     "loss per position bucket of the sequence (a PNG), or with --passkey the "
+                                     "passkey retrieval accuracy per length and depth (a table and a heatmap PNG).")
+    add_step_flags(v, "eval")
+    _data_flags(v, default="with --passkey none; else required")
+    v.add_argument("--step", dest="ckpt_step", type=_positive(), default=None,
+                   help="a run's checkpoint (default: its newest)")
+    v.add_argument("--batches", type=_positive(), default=8, help="batches of --data read (default 8)")
+    v.add_argument("--buckets", type=_positive(), default=8, help="position buckets of the loss curve (default 8)")
+    v.add_argument("--passkey", action="store_true", help="passkey retrieval instead of --data")
+    v.add_argument("--lengths", default=None, help="passkey prompt lengths in tokens, e.g. 1024,4096 (default "
+                   "--seq-len)")
+    v.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="where the key sits, as fractions of the prompt")
+    v.add_argument("--samples", type=_positive(), default=4, help="passkey prompts per length and depth (default 4)")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--out", default=None, help="folder for eval.json and the PNGs (default: the run folder, else .)")
+    _launcher_flags(v)
+
+
+def _export_parser(verbs) -> None:
+    x = verbs.add_parser("export", help="a run's checkpoint as a Hugging Face model folder",
+                         description="Write a run's checkpoint (any world size wrote it) as a Hugging Face folder: "
+                                     "config.json with the run's RoPE settings, safetensors in shards, the tokenizer's "
+                                     "files. AutoModelForCausalLM.from_pretrained loads it.")
+    x.add_argument("run", help="the run folder (autosp train --out)")
+    x.add_argument("--step", dest="ckpt_step", type=_positive(), default=None,
+                   help="the checkpoint (default: the newest)")
+    x.add_argument("--out", required=True, help="the folder to write")
+    x.add_argument("--shard-size", default="2GB", help="safetensors shard size (default 2GB)")
 
 
 TRAIN_EXTRA = "pip install 'autosp[train]'"
@@ -110,9 +177,11 @@ def check_train(a) -> None:
     """Every check that needs no rank: bad input fails here, before anything is launched or written. With
     --memory (or --memory-budget) the step is planned here as `autosp plan --seq-len` plans it, and a length
     that does not fit is refused with the longest that does."""
+    from dataclasses import replace
+
     from autosp.run.checkpoint import checkpoints
     from autosp.run.config import in_torchrun, step_of
-    from autosp.run.data import check_corpus, open_corpus
+    from autosp.run.inputs import prepare, tokenizer_for
     from autosp.run.models import peek_vocab
     if a.seq_len is None:
         a.seq_len = 512
@@ -131,7 +200,14 @@ def check_train(a) -> None:
         raise AutospError(f"--min-lr-ratio {a.min_lr_ratio}: a fraction of --lr in [0, 1]. Fix: --min-lr-ratio 0.1.")
     if a.clip < 0 or a.weight_decay < 0:
         raise AutospError("--clip and --weight-decay must be >= 0. Fix: --clip 1.0 --weight-decay 0.1.")
-    check_corpus(open_corpus(a.data, a.token_dtype), step.seq_len, peek_vocab(step.model))
+    if not 0 < a.eval_fraction < 1:
+        raise AutospError(f"--eval-fraction {a.eval_fraction}: a fraction of --data in (0, 1). Fix: --eval-fraction 0.02.")
+    a.tok = tokenizer_for(step.model, a.tokenizer)
+    a.inputs = inputs = prepare(a, a.tok, peek_vocab(step.model), step.seq_len)
+    if inputs.note and not os.environ.get("AUTOSP_LAUNCHED"):
+        print(f"autosp train: {inputs.note}", flush=True)
+    a.step = step = replace(step, packing=inputs.packing)
+    _warn_positions(step)
     if a.out is None:
         a.out = os.path.join("runs", os.path.basename(os.path.normpath(step.model)) or "model")
     if os.path.exists(a.out) and not os.path.isdir(a.out):
@@ -150,6 +226,18 @@ def check_train(a) -> None:
             raise AutospError(fit.refusal())
 
 
+def _warn_positions(step) -> None:
+    """A length beyond the model's positions with no RoPE scaling trains positions it never saw: say so, with the flag."""
+    if step.rope_scaling is not None or os.environ.get("AUTOSP_LAUNCHED"):
+        return
+    from autosp.run.models import spec_of
+    positions = int(getattr(spec_of(step).config, "max_position_embeddings", 0) or 0)
+    if positions and step.seq_len > positions:
+        print(f"autosp: warning: --seq-len {step.seq_len:,} is beyond the model's {positions:,} positions and no "
+              f"--rope-scaling is set. Fix: --rope-scaling yarn:{-(-step.seq_len // positions)} (or linear, dynamic, "
+              "llama3) to extend its context.", file=sys.stderr, flush=True)
+
+
 def _train(a, argv) -> int:
     from autosp.run.config import in_torchrun
     check_train(a)
@@ -159,9 +247,11 @@ def _train(a, argv) -> int:
     return launch(a, argv)
 
 
-def _worker(a) -> int:
+def _worker(a, worker=None) -> int:
+    """One rank of a launched verb (train's worker by default): its failure recorded for the launcher to tell."""
     from autosp.run.launch import LAUNCHED, record_failure
-    from autosp.run.train import worker
+    if worker is None:
+        from autosp.run.train import worker
     try:
         worker(a)
     except (KeyboardInterrupt, SystemExit):
@@ -198,6 +288,73 @@ def _explain(a) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- eval, export
+
+def check_eval(a) -> None:
+    """Every check of `autosp eval` that needs no rank; the text tokenized (once per node) before the ranks start."""
+    from dataclasses import replace
+
+    from autosp.run.checkpoint import checkpoints
+    from autosp.run.config import in_torchrun, step_of
+    from autosp.run.inputs import prepare, tokenizer_for
+    from autosp.run.models import peek_vocab
+    if a.passkey:
+        try:
+            a.lengths = [int(x) for x in (a.lengths or str(a.seq_len or 1024)).split(",")]
+            a.depths = [float(x) for x in a.depths.split(",")]
+        except ValueError:
+            raise AutospError(f"--lengths {a.lengths} --depths {a.depths}: comma-separated numbers. Fix: --lengths "
+                              "1024,4096 --depths 0,0.5,1.") from None
+        if min(a.lengths) < 2 or not all(0 <= d <= 1 for d in a.depths):
+            raise AutospError(f"--lengths {a.lengths} --depths {a.depths}: lengths of 2 tokens or more, depths in "
+                              "[0, 1]. Fix: --lengths 1024,4096 --depths 0,0.5,1.")
+        a.seq_len = max(a.lengths)
+    if a.seq_len is None:
+        a.seq_len = 512
+    step = step_of(a, "eval")
+    run = step.model if checkpoints(step.model) else None
+    tok = a.tokenizer or (os.path.join(run, "tokenizer") if run and os.path.isdir(os.path.join(run, "tokenizer"))
+                          else None)
+    a.tok = tokenizer_for(step.model, tok)
+    if a.passkey:
+        if a.tok is None:
+            raise AutospError(f"--model {step.model}: no tokenizer to write the passkey prompts with. Fix: --tokenizer.")
+        a.inputs = None
+    else:
+        if a.data is None:
+            raise AutospError("autosp eval: no --data to evaluate on. Fix: --data FILE (as autosp train takes it), or "
+                              "--passkey.")
+        a.eval_every, a.eval_data = 0, None
+        a.inputs = prepare(a, a.tok, peek_vocab(step.model), step.seq_len)
+        if a.inputs.note and not os.environ.get("AUTOSP_LAUNCHED"):
+            print(f"autosp eval: {a.inputs.note}", flush=True)
+        step = replace(step, packing=a.inputs.packing)
+    world = step.world
+    if in_torchrun() and int(os.environ["WORLD_SIZE"]) != world:
+        raise AutospError(f"the launcher started {os.environ['WORLD_SIZE']} ranks, but --dp {step.dp} x --sp {step.sp} "
+                          f"is {world}. Fix: --sp {int(os.environ['WORLD_SIZE']) // step.dp} (or leave --sp out).")
+    if a.out is None:
+        a.out = run or "."
+    a.step = step
+
+
+def _eval(a, argv) -> int:
+    from autosp.run.config import in_torchrun
+    check_eval(a)
+    if in_torchrun():
+        from autosp.run.evaluate import worker
+        return _worker(a, worker)
+    from autosp.run.launch import launch
+    return launch(a, argv)
+
+
+def _export(a) -> int:
+    from autosp.run.export import export
+    path = export(a.run, a.out, step=a.ckpt_step, shard_size=a.shard_size)
+    print(f"autosp export: {path} -> {a.out} (AutoModelForCausalLM.from_pretrained({a.out!r}) loads it)", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parser().parse_args(argv)
@@ -210,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
             return _train(a, argv)
         if a.verb == "plan":
             return _plan(a)
+        if a.verb == "eval":
+            return _eval(a, argv)
+        if a.verb == "export":
+            return _export(a)
         return _explain(a)
     except AutospError as exc:
         from autosp.run.config import in_torchrun

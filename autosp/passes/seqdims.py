@@ -348,7 +348,7 @@ LINK_RULES: dict[str, Callable[[Eqn], list[Link]]] = {
     "cross_entropy": links_loss, "nll_loss": links_loss,
     "sum": links_reduce, "mean": links_reduce, "amax": links_reduce, "amin": links_reduce,
     "logsumexp": links_reduce, "prod": links_reduce, "any": links_reduce, "all": links_reduce,
-    "var": links_reduce, "std": links_reduce,
+    "var": links_reduce, "std": links_reduce, "argmax": links_reduce, "argmin": links_reduce,
     "stack": links_stack, "view_as_complex": links_leading, "view_as_real": links_leading,
     "topk": links_keep_dims, "sort": links_keep_dims, "argsort": links_keep_dims, "kthvalue": links_keep_dims,
     "addmm": links_addmm, "einsum": links_einsum, "slice_scatter": links_scatter, "select_scatter": links_scatter,

@@ -184,7 +184,9 @@ def reduce_rule(ctx: ShardCtx, e: Eqn) -> None:
         return positionwise(ctx, e)
     b = e.bind_schema()
     dims = b.get("dim")
-    dims = list(range(x.ndim)) if not dims else [_norm(d, x.ndim) for d in dims]
+    if isinstance(dims, int):                        # argmax, argmin, max.dim: one dim, not a list
+        dims = [dims]
+    dims = list(range(x.ndim)) if dims is None or dims == [] else [_norm(d, x.ndim) for d in dims]
     lay = x.layout
     if lay.dim not in dims:
         return positionwise(ctx, e)

@@ -18,7 +18,7 @@ import torch
 from autosp.errors import AutospError
 from autosp.run.config import PRECISIONS, RANKS_PER_NODE, Step
 from autosp.run.meshes import fake_world, planning_mesh
-from autosp.run.models import describe, model_config
+from autosp.run.models import describe, spec_of
 from autosp.run.plan import (_MOMENTS, Affine, Row, Tracer, _guess, _held_back, _line, _rounded, _secs,
                              _tiled_names, fmt, probe, ring_allreduce_bytes, step_seconds)
 
@@ -128,7 +128,7 @@ class Report:
 
 def _tracer(step: Step, spec) -> Tracer:
     return Tracer(spec, planning_mesh(step.sp, step.dp), step.dtype, step.rank_batch, step.sp,
-                  shard_params=step.sharded, ring=step.ring, reduce_dtype=step.grad_dtype)
+                  shard_params=step.sharded, ring=step.ring, reduce_dtype=step.grad_dtype, packing=step.packing)
 
 
 def _state_fails(step: Step, st: ModelState, share: int) -> str | None:
@@ -170,7 +170,7 @@ def longest(step: Step, *, parallel: bool = True, granularity: int | None = None
     granule = granularity or sp * 64
     if granule % sp:
         raise AutospError(f"--granularity {granule}: lengths must split over sp={sp} ranks. Fix: a multiple of {sp}.")
-    spec = model_config(model)
+    spec = spec_of(step)
     torch_dtype = step.dtype
     share = step.host_share
     with fake_world(world):
@@ -187,10 +187,11 @@ def longest(step: Step, *, parallel: bool = True, granularity: int | None = None
             out += [refused, host_line]
             return Report("\n".join(out), False)
         fixed = st.params + st.moments                     # live across the step; the step's peak adds the rest
+        fixed += st.grads if step.grad_accum > 1 else 0    # the gradients summed over the micro-steps
         avail = mem - fixed
 
-        def tokens(length):                                 # the token ids (labels are the same tensor)
-            return 8 * batch * length
+        def tokens(length):                                 # the token ids (and labels, positions)
+            return step.with_length(length).token_bytes()
 
         # no remat keeps every gathered parameter for the backward: the guess leaves room for them
         kept = tracer.compute_bytes if sharded else 0
@@ -365,8 +366,9 @@ class Fit:
 
     @property
     def resident(self) -> int:
-        """Bytes kept across the step: the model state (parameters, optimizer moments) and the token ids."""
-        return self.state.resident + self.tokens
+        """Bytes kept across the step: the model state (parameters, optimizer moments, with --grad-accum the
+        gradients summed so far) and the token ids."""
+        return self.state.resident + self.tokens + (self.state.grads if self.step.grad_accum > 1 else 0)
 
     @property
     def peak(self) -> int | None:
@@ -474,7 +476,7 @@ def at_length(step: Step, *, with_longest: bool = True, parallel: bool = True, q
     from autosp.remat import plan_step
     if step.seq_len is None:
         raise AutospError("autosp plan: at_length needs --seq-len. Fix: pass --seq-len, or plan the longest length.")
-    spec = model_config(step.model)
+    spec = spec_of(step)
     with fake_world(step.world):
         tracer = _tracer(step, spec)
         st = model_state(step, tracer.param_bytes)

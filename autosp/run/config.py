@@ -53,9 +53,12 @@ def add_step_flags(p: argparse.ArgumentParser, verb: str) -> None:
                    help={"train": "tokens per sequence (default 512)",
                          "plan": "answer for this length: whether it fits, its memory and time (default: the "
                                  "longest length that fits --memory)",
-                         "explain": "tokens per sequence"}[verb])
+                         "explain": "tokens per sequence",
+                         "eval": "tokens per sequence of --data (default 512; --passkey: the longest --lengths)"}[verb])
     g.add_argument("--batch", type=positive(), default=None, help="sequences per step over all dp ranks "
-                   "(default dp: one per dp rank)")
+                   "(default dp x grad-accum: one per dp rank and micro-step)")
+    g.add_argument("--grad-accum", type=positive(), default=1, help="micro-steps per optimizer step: the batch is "
+                   "split into this many, their gradients summed by token count (default 1)")
     g.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
                    help="fp32, or bf16: FSDP2's mixed precision (bf16 parameters gathered and computed, fp32 master "
                         "weights and optimizer state); default bf16 on cuda, fp32 on cpu")
@@ -80,6 +83,14 @@ def add_step_flags(p: argparse.ArgumentParser, verb: str) -> None:
     g.add_argument("--no-shard-params", dest="shard_params", action="store_false",
                    help="keep parameters, gradients and optimizer state whole on every rank (default with more than "
                         "one rank: split on dim 0 over all ranks, FSDP2's layout)")
+    g.add_argument("--packing", choices=["docs", "concat"], default=None,
+                   help="docs: documents packed into each sequence, positions restarting and attention kept inside "
+                        "each (autosp's exact packed-documents path); concat: one causal sequence (default: docs for "
+                        "text with document boundaries" + (", concat otherwise)" if verb == "train" else "; concat here)"))
+    g.add_argument("--rope-theta", type=positive(float), default=None, help="RoPE's base (the model's by default)")
+    g.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR",
+                   help="extend the context FACTOR times: linear, dynamic, yarn or llama3, as transformers' "
+                        "rope_scaling (max_position_embeddings raised to match), e.g. yarn:4")
     g.add_argument("--dtype", dest="renamed_dtype", default=None, help=argparse.SUPPRESS)
 
 
@@ -104,6 +115,10 @@ class Step:
     optimizer_offload: bool = False
     tile: bool = True
     shard_params: bool = True
+    packing: str = "concat"             # docs: position ids restart per document (the step takes them)
+    rope_theta: float | None = None
+    rope_scaling: str | None = None     # "yarn:4"
+    grad_accum: int = 1                 # micro-steps per optimizer step
 
     # ------------------------------------------------------------ derived
     @property
@@ -112,12 +127,12 @@ class Step:
 
     @property
     def global_batch(self) -> int:
-        return self.batch or self.dp
+        return self.batch or self.dp * self.grad_accum
 
     @property
     def rank_batch(self) -> int:
-        """Sequences each dp rank's step takes."""
-        return self.global_batch // self.dp
+        """Sequences each dp rank's (micro-)step takes."""
+        return self.global_batch // (self.dp * self.grad_accum)
 
     @property
     def dtype(self):
@@ -164,9 +179,15 @@ class Step:
         return replace(self, seq_len=seq_len)
 
     # ------------------------------------------------------------ the step's budget
+    @property
+    def token_tensors(self) -> int:
+        """int64 [batch, L] tensors a step takes: ids (the labels, too, when they are the ids), or ids, labels and
+        position ids for packed documents."""
+        return 3 if self.packing == "docs" else 1
+
     def token_bytes(self) -> int:
-        """The token ids a rank holds through its step (input ids and labels are one int64 tensor)."""
-        return 8 * self.rank_batch * (self.seq_len or 0)
+        """The token ids (and labels, positions) a rank holds through its step."""
+        return 8 * self.token_tensors * self.rank_batch * (self.seq_len or 0)
 
     def activation_host_bytes(self, optimizer_host: int) -> int:
         """What this rank's plan may offload: its share of the node's host memory, less the optimizer's
@@ -194,7 +215,10 @@ class Step:
             out += ["--ring", str(self.ring)]
         if self.seq_len is not None:
             out += ["--seq-len", str(self.seq_len)]
-        out += ["--batch", str(self.global_batch), "--precision", self.precision]
+        out += ["--batch", str(self.global_batch)]
+        if self.grad_accum != 1:
+            out += ["--grad-accum", str(self.grad_accum)]
+        out += ["--precision", self.precision]
         if self.reduce_dtype != "fp32":
             out += ["--reduce-dtype", self.reduce_dtype]
         out += ["--device", self.device]
@@ -214,6 +238,12 @@ class Step:
             out += ["--no-tile"]
         if not self.shard_params:
             out += ["--no-shard-params"]
+        if self.packing != "concat":
+            out += ["--packing", self.packing]
+        if self.rope_theta is not None:
+            out += ["--rope-theta", f"{self.rope_theta:g}"]
+        if self.rope_scaling is not None:
+            out += ["--rope-scaling", self.rope_scaling]
         return out
 
     def train_command(self) -> str:
@@ -299,16 +329,19 @@ def step_of(a, verb: str) -> Step:
                 reduce_dtype=a.reduce_dtype, device=device, memory=a.memory,
                 memory_budget=parse_budget_flag(a.memory_budget), offload=a.offload, host_memory=a.host_memory,
                 optimizer=a.optimizer, optimizer_offload=a.optimizer_offload, tile=a.tile,
-                shard_params=a.shard_params)
+                shard_params=a.shard_params, packing=a.packing or "concat", rope_theta=a.rope_theta,
+                rope_scaling=a.rope_scaling, grad_accum=a.grad_accum)
     check(step, verb)
     return step
 
 
 def check(step: Step, verb: str) -> None:
     """Every check of a Step that needs no model: AutospError with the fix."""
-    if step.global_batch % step.dp:
-        raise AutospError(f"--batch {step.global_batch} does not split over --dp {step.dp} ranks. Fix: a multiple of "
-                          f"{step.dp}, e.g. --batch {step.dp * max(1, step.global_batch // step.dp)}.")
+    parts = step.dp * step.grad_accum
+    if step.global_batch % parts:
+        over = f"--dp {step.dp} ranks" + (f" x --grad-accum {step.grad_accum} micro-steps" if step.grad_accum > 1 else "")
+        raise AutospError(f"--batch {step.global_batch} does not split over {over}. Fix: a multiple of {parts}, e.g. "
+                          f"--batch {parts * max(1, step.global_batch // parts)}.")
     if step.seq_len is not None and step.seq_len < 2:
         raise AutospError(f"--seq-len {step.seq_len}: a causal LM needs at least 2 tokens. Fix: --seq-len 512.")
     if step.ring is not None and step.sp % step.ring:
@@ -322,6 +355,9 @@ def check(step: Step, verb: str) -> None:
         raise AutospError(f"--offload with --host-memory {step.host_memory}: no host memory is left for "
                           f"activations ({step.ranks_per_node} ranks share the node). Fix: --host-memory with the "
                           "node's size, or leave --offload out.")
+    if step.rope_scaling is not None:
+        from autosp.run.models import parse_rope_scaling
+        parse_rope_scaling(step.rope_scaling)
     if step.optimizer == "sgd" and step.optimizer_offload:
         raise AutospError("--optimizer sgd --optimizer-offload: the offloaded optimizer is AdamW (ZeRO-Offload's). "
                           "Fix: --optimizer adamw, or leave --optimizer-offload out.")

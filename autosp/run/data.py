@@ -1,14 +1,23 @@
 """Training data: a token stream cut into sequences, served in an order fixed by (seed, step).
 
     corpus = open_corpus(None)                 # the Python standard library's source, as bytes
-    corpus = open_corpus("tokens.npy")         # or .bin (--dtype uint16|uint32), or any text file
+    corpus = open_corpus("tokens.npy")         # or .bin (--token-dtype uint16|uint32)
+    corpus = open_corpus("docs.jsonl", tokenizer=Tokenizer.of("model"))    # text: tokenized once (text.py)
     ids = batch_for_step(corpus, seq_len=512, batch=8, step=3, seed=0, part=(0, 2))
+    ids, labels, positions = batch_inputs(corpus, seq_len=512, batch=8, step=3, seed=0, packing="docs")
 
 The default corpus is every `*.py` file under `sysconfig.get_paths()["stdlib"]` (site-packages
 excluded), in sorted path order, concatenated: every machine with the same Python has it, and a
 loss curve on it means something. Sequence k is tokens [k L, (k+1) L) of the stream; the order of
 sequences is a fresh permutation per epoch, drawn from the seed and the epoch only, so the batch of
 a step never depends on how many ranks read it: dp rank r of D takes rows [r B/D, (r+1) B/D).
+
+Text (text.py) comes with the start of every document: documents are separated by the tokenizer's EOS in the
+stream, and a sequence may hold several. `packing="docs"` gives each token its position in its document (the
+position ids restart where a document starts, so the model's attention stays inside each document: autosp's
+packed-documents path, exact and O(s)) and does not ask the first token of a document to be predicted from the
+one before (its label is -100). A document longer than a sequence is cut: each piece starts at position 0 in the
+sequence that holds it, as a document of its own. `packing="concat"`: one causal sequence over the stream.
 """
 from __future__ import annotations
 
@@ -16,7 +25,7 @@ import bisect
 import os
 import sys
 import sysconfig
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -34,8 +43,12 @@ class Corpus:
     _array: np.ndarray | None = None             # memory-mapped file, or None (stdlib files)
     _files: list[str] = field(default_factory=list)
     _starts: list[int] = field(default_factory=list)
+    documents: np.ndarray | None = None          # the stream index where each document starts (text), sorted
+    eos: int | None = None                       # the token that ends each document
+    offset: int = 0                              # where this corpus starts in the stream it reads (a part of one)
 
     def tokens(self, lo: int, hi: int) -> np.ndarray:
+        lo, hi = lo + self.offset, hi + self.offset
         if self._array is not None:
             return np.asarray(self._array[lo:hi], dtype=np.int64)
         out = bytearray()
@@ -49,6 +62,15 @@ class Corpus:
 
     def sequences(self, seq_len: int) -> int:
         return self.length // seq_len
+
+    def part(self, lo: int, hi: int, name: str) -> Corpus:
+        """Tokens [lo, hi) as a corpus of their own (a held-out part): its documents start where they did, and at
+        lo (a document cut there starts anew)."""
+        docs = None
+        if self.documents is not None:
+            inside = self.documents[(self.documents > lo) & (self.documents < hi)] - lo
+            docs = np.concatenate([[0], inside]).astype(np.int64)
+        return replace(self, name=name, length=hi - lo, documents=docs, offset=self.offset + lo)
 
 
 def stdlib_corpus() -> Corpus:
@@ -67,13 +89,27 @@ def stdlib_corpus() -> Corpus:
                   total, 255, _files=files, _starts=starts)
 
 
-def open_corpus(path: str | None, dtype: str = "uint16") -> Corpus:
-    """The default corpus (None), a .npy token array, a raw .bin of `dtype` tokens, or any file as bytes."""
+def open_corpus(path: str | None, dtype: str = "uint16", *, tokenizer=None, text_field: str = "text",
+                cache_dir: str | None = None) -> Corpus:
+    """The default corpus (None), a .npy token array, a raw .bin of `dtype` tokens, or text (text.py's files,
+    folders and saved datasets) tokenized by `tokenizer` (a text.Tokenizer) into its cache, opened without
+    tokenizing again when the cache is there; without a tokenizer, any other file is bytes."""
+    from autosp.run import text
     if path is None:
         return stdlib_corpus()
+    if os.path.isdir(path) or path.endswith(text.TEXT_SUFFIXES):
+        if tokenizer is None:
+            raise AutospError(f"--data {path}: text, and the model has no tokenizer. Fix: --tokenizer FOLDER (a "
+                              "saved Hugging Face tokenizer), or a model folder that holds its tokenizer's files.")
+        cache = text.find(path, tokenizer, text_field, cache_dir)
+        if cache is None:
+            raise AutospError(f"--data {path}: not tokenized yet. Fix: autosp train tokenizes it before the ranks "
+                              "start (text.tokenize).")
+        return corpus_of(cache)
     if not os.path.isfile(path):
-        raise AutospError(f"--data {path}: no such file. Fix: pass an existing .npy / .bin token file or a text "
-                          "file, or leave --data out to train on the Python standard library's source.")
+        raise AutospError(f"--data {path}: no such file. Fix: pass an existing .npy / .bin token file, a text file "
+                          "(.txt, .jsonl, .jsonl.gz, .parquet), a folder of them or a saved dataset, or leave --data "
+                          "out to train on the Python standard library's source.")
     if path.endswith(".npy"):
         try:
             arr = np.load(path, mmap_mode="r")
@@ -86,13 +122,13 @@ def open_corpus(path: str | None, dtype: str = "uint16") -> Corpus:
         name = f"{path} ({arr.dtype} tokens)"
     elif path.endswith(".bin"):
         if dtype not in ("uint16", "uint32"):
-            raise AutospError(f"--dtype {dtype}: a .bin token file is uint16 or uint32. Fix: --dtype uint16 "
-                              "(vocabularies up to 65536) or --dtype uint32.")
+            raise AutospError(f"--token-dtype {dtype}: a .bin token file is uint16 or uint32. Fix: --token-dtype "
+                              "uint16 (vocabularies up to 65536) or --token-dtype uint32.")
         size = os.path.getsize(path)
         item = np.dtype(dtype).itemsize
         if size % item:
             raise AutospError(f"--data {path}: {size} bytes is not a whole number of {dtype} tokens. Fix: pass the "
-                              f"--dtype it was written with (uint16 or uint32).")
+                              f"--token-dtype it was written with (uint16 or uint32).")
         arr = np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
         name = f"{path} ({dtype} tokens)"
     else:
@@ -104,6 +140,14 @@ def open_corpus(path: str | None, dtype: str = "uint16") -> Corpus:
                           "ids in [0, vocab).")
     top = int(arr.max()) if len(arr) else None
     return Corpus(name, len(arr), top, _array=arr)
+
+
+def corpus_of(cache) -> Corpus:
+    """The corpus of a text.TokenCache: its tokens and where each document starts."""
+    meta = cache.meta
+    return Corpus(f"{', '.join(meta['sources'][:3])}{' ...' if len(meta['sources']) > 3 else ''} ({meta['documents']:,} "
+                  f"documents tokenized by {os.path.basename(meta['tokenizer'])})", meta["tokens"], meta["vocab"] - 1,
+                  _array=cache.tokens, documents=np.asarray(cache.starts), eos=meta["eos"])
 
 
 def check_corpus(corpus: Corpus, seq_len: int, vocab: int) -> None:
@@ -146,3 +190,23 @@ def batch_for_step(corpus: Corpus, *, seq_len: int, batch: int, step: int, seed:
     r, d = part
     rows = sequence_ids(corpus, seq_len, batch, step, seed)[r * batch // d:(r + 1) * batch // d]
     return np.stack([corpus.tokens(k * seq_len, (k + 1) * seq_len) for k in rows])
+
+
+def batch_inputs(corpus: Corpus, *, seq_len: int, batch: int, step: int, seed: int, part: tuple[int, int] = (0, 1),
+                 packing: str = "concat") -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(token ids, labels, position ids or None) of the rows batch_for_step gives, packed as `packing` says (the
+    module docstring): int64 [rows, L] each; labels are the ids (the model shifts them) with -100 where a document
+    starts inside a sequence."""
+    r, d = part
+    rows = sequence_ids(corpus, seq_len, batch, step, seed)[r * batch // d:(r + 1) * batch // d]
+    ids = np.stack([corpus.tokens(k * seq_len, (k + 1) * seq_len) for k in rows])
+    if packing != "docs" or corpus.documents is None:
+        return ids, ids, None
+    idx = np.asarray(rows, dtype=np.int64)[:, None] * seq_len + np.arange(seq_len)[None, :]   # stream indices
+    doc = np.searchsorted(corpus.documents, idx, side="right") - 1
+    first = corpus.documents[doc]
+    start = np.maximum(first, idx[:, :1])                    # a document cut by the sequence starts where it does
+    positions = idx - start
+    labels = ids.copy()
+    labels[(idx == first) & (positions == 0) & (idx > idx[:, :1])] = -100
+    return ids, labels, positions

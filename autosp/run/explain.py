@@ -13,7 +13,7 @@ import torch
 
 from autosp.errors import AutospError
 from autosp.run.meshes import fake_world
-from autosp.run.models import describe, model_config
+from autosp.run.models import describe, spec_of
 from autosp.run.plan import _step, fmt
 
 _COLLECTIVES = {"all_to_all", "all_reduce_sum", "all_gather_seq", "shard_slice", "unshard_grad"}
@@ -89,7 +89,7 @@ def explain_model(step, *, full: bool = False, png: str | None = None) -> str:
     --memory-budget, or the budget --memory leaves the step, or half the no-remat peak."""
     import autosp
     from autosp.run.answer import _tracer, model_state
-    spec = model_config(step.model)
+    spec = spec_of(step)
     seq_len, sp, batch, device = step.seq_len, step.sp, step.rank_batch, step.device
     dtype = step.dtype
     with fake_world(step.world):

@@ -110,8 +110,8 @@ def root_cause(failures: dict) -> int:
     return min(pool, key=lambda r: _time(failures[r]))
 
 
-def describe_failure(err, out: str | None, timeout: float | None = None) -> tuple[str, int]:
-    """(message, exit code) for a ChildFailedError of `autosp train`."""
+def describe_failure(err, out: str | None, timeout: float | None = None, verb: str = "train") -> tuple[str, int]:
+    """(message, exit code) for a ChildFailedError of `autosp VERB` (train, eval)."""
     from autosp.run.checkpoint import latest
     failures = err.failures
     cause = root_cause(failures)
@@ -121,23 +121,23 @@ def describe_failure(err, out: str | None, timeout: float | None = None) -> tupl
         silent = [r for r, g in failures.items() if _stopped(g)]
         who = (f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped answering "
                "(still running, then stopped by the launcher)" if silent else "another rank stopped answering")
-        lines = [f"autosp train: rank {cause} timed out waiting for a collective"
+        lines = [f"autosp {verb}: rank {cause} timed out waiting for a collective"
                  + (f" (--timeout {timeout:g} s)" if timeout else "") + f": {who}.", f"  rank {cause} {_what(f)}"]
     elif f.exitcode == 2:                    # bad input found by the ranks (a model or budget autosp refuses)
         msg = f.message.get("message", f.message) if isinstance(f.message, dict) else f.message
-        return f"autosp train: error (rank {cause}): {re.sub(r'^[A-Za-z]*Error: ', '', str(msg))}", 2
+        return f"autosp {verb}: error (rank {cause}): {re.sub(r'^[A-Za-z]*Error: ', '', str(msg))}", 2
     else:
         reports = {} if not _lost(f) else {int(r): v for g in failures.values()
                                            for r, v in _extra(g).get("autosp_reports", {}).items()}
         if reports:                          # the failed rank was stopped before it wrote: another rank tells
             named = min(reports)
             status = f"; rank {named} {_what(failures[named])}" if named in failures else ""
-            lines = [f"autosp train: rank {named} failed: {reports[named][0]}",
+            lines = [f"autosp {verb}: rank {named} failed: {reports[named][0]}",
                      f"  (reported by rank {cause} through the checkpoint's collectives{status})"]
             stack = reports[named][1]
             cause = named if named in failures else cause
         else:
-            lines = [f"autosp train: rank {cause} {_what(f)}"]
+            lines = [f"autosp {verb}: rank {cause} {_what(f)}"]
             stack = _extra(f).get("py_callstack")
         if stack:
             lines.append("  its traceback:\n" + "\n".join("    " + s for s in stack.rstrip().splitlines()))
@@ -148,7 +148,7 @@ def describe_failure(err, out: str | None, timeout: float | None = None) -> tupl
         why = " (it saw another rank fail)" if _lost(g) else ""
         lines.append(f"  then rank {rank} {_what(g)[:300]}{why}")
     lines.append("The other ranks were stopped.")
-    if out is not None and f.exitcode != 2:
+    if out is not None and f.exitcode != 2 and verb == "train":
         ckpt = latest(out)
         lines.append(f"Last complete checkpoint: {ckpt} (continue with --resume)." if ckpt else
                      "No complete checkpoint was written yet.")
@@ -190,11 +190,11 @@ def launch(a, argv: list[str]) -> int:
     try:
         run(targs)
     except ChildFailedError as err:
-        msg, code = describe_failure(err, a.out, a.timeout)
+        msg, code = describe_failure(err, a.out, a.timeout, a.verb)
         print(msg, file=sys.stderr, flush=True)
         return code
     except SignalException as sig:
-        print(f"autosp train: stopped by {signal.Signals(sig.sigval).name}; the ranks were stopped.",
+        print(f"autosp {a.verb}: stopped by {signal.Signals(sig.sigval).name}; the ranks were stopped.",
               file=sys.stderr, flush=True)
         return 128 + int(sig.sigval)
     return 0

@@ -60,8 +60,10 @@ def _hf_config(p: Preset):
                        rope_theta=p.rope_theta, attn_implementation="sdpa")
 
 
-def model_config(name: str, *, layers: int | None = None) -> ModelSpec:
-    """The config for a preset name or a path; `layers` overrides the depth (planning probes)."""
+def model_config(name: str, *, layers: int | None = None, rope_theta: float | None = None,
+                 rope_scaling: str | None = None) -> ModelSpec:
+    """The config for a preset name or a path; `layers` overrides the depth (planning probes); `rope_theta` and
+    `rope_scaling` ("yarn:4") extend its context (set_rope)."""
     if name in PRESETS:
         cfg = _hf_config(PRESETS[name])
         weights = None
@@ -69,8 +71,69 @@ def model_config(name: str, *, layers: int | None = None) -> ModelSpec:
         cfg, weights = _config_from_path(name)
     if layers is not None:
         cfg = cfg.__class__(**{**cfg.to_dict(), "num_hidden_layers": layers})
+    if rope_theta is not None or rope_scaling is not None:
+        set_rope(cfg, rope_theta, rope_scaling)
     cfg._attn_implementation = "sdpa"
     return ModelSpec(name, cfg, weights)
+
+
+def spec_of(step) -> ModelSpec:
+    """The model of a Step (run/config.py), its RoPE settings applied."""
+    return model_config(step.model, rope_theta=step.rope_theta, rope_scaling=step.rope_scaling)
+
+
+ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
+
+
+def parse_rope_scaling(text: str) -> tuple[str, float]:
+    """'yarn:4' -> ('yarn', 4.0); AutospError with the fix otherwise."""
+    kind, _, factor = text.partition(":")
+    try:
+        value = float(factor)
+    except ValueError:
+        value = 0.0
+    if kind not in ROPE_TYPES or not value > 1.0:
+        raise AutospError(f"--rope-scaling {text}: expected TYPE:FACTOR with TYPE one of {', '.join(ROPE_TYPES)} and a "
+                          "factor above 1. Fix: --rope-scaling yarn:4 (4 times the model's positions).")
+    return kind, value
+
+
+def rope_of(cfg) -> dict:
+    """The config's RoPE settings as transformers' rope_parameters (5.x) or rope_theta + rope_scaling (4.x) say."""
+    params = getattr(cfg, "rope_parameters", None)
+    if isinstance(params, dict):
+        return dict(params)
+    out = {"rope_type": "default", "rope_theta": getattr(cfg, "rope_theta", 10000.0)}
+    scaling = getattr(cfg, "rope_scaling", None)
+    if isinstance(scaling, dict):
+        out.update(scaling)
+        out["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+    return out
+
+
+def set_rope(cfg, theta: float | None, scaling: str | None) -> None:
+    """Extend a config's context: RoPE's base `theta`; `scaling` 'TYPE:FACTOR' multiplies max_position_embeddings by
+    FACTOR and scales RoPE as transformers' rope_scaling of that type does (the original length kept for yarn and
+    llama3). On the config (transformers 5: rope_parameters; 4: rope_theta, rope_scaling), so that the model
+    built from it, the checkpoints' config.json and an export carry it."""
+    rope = rope_of(cfg)
+    if theta is not None:
+        rope["rope_theta"] = float(theta)
+    if scaling is not None:
+        kind, factor = parse_rope_scaling(scaling)
+        original = int(cfg.max_position_embeddings)
+        rope.update(rope_type=kind, factor=factor)
+        if kind in ("yarn", "llama3", "dynamic"):
+            rope["original_max_position_embeddings"] = original
+        if kind == "llama3":
+            rope.setdefault("low_freq_factor", 1.0)
+            rope.setdefault("high_freq_factor", 4.0)
+        cfg.max_position_embeddings = int(original * factor)
+    if hasattr(cfg, "rope_parameters"):
+        cfg.rope_parameters = rope
+    else:
+        cfg.rope_theta = rope.pop("rope_theta")
+        cfg.rope_scaling = None if rope.get("rope_type") == "default" else {**rope, "type": rope["rope_type"]}
 
 
 def _config_file(path: str) -> str:
@@ -119,6 +182,8 @@ def build_model(spec: ModelSpec, *, seed: int = 0, device: str = "cpu", dtype=No
     (the same parameters on every rank). On the meta device nothing is allocated."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()            # "Loading weights" once per rank: not the run's progress
     torch.manual_seed(seed)
     try:
         if spec.weights is not None and device != "meta":

@@ -84,6 +84,15 @@ def master_bytes(model, ranks: int, sharded: bool, dtype) -> int:
     return total
 
 
+def step_loss(model, params, input_ids, labels, position_ids=None):
+    """The training step's loss, the single-device code autosp shards: a causal LM's mean next-token loss (position
+    ids for packed documents, data.py)."""
+    kwargs = {"labels": labels}
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
+    return torch.func.functional_call(model, params, (input_ids,), kwargs).loss
+
+
 class Tracer:
     """Meta traces of one model on one planning mesh, at any length. `shard_params`: the parameters
     are fp32 master shards over every rank of the mesh (autosp.shard_params, FSDP2's layout), gathered
@@ -91,10 +100,10 @@ class Tracer:
     `ring`: autosp.shard's (attention over sp = U x R)."""
 
     def __init__(self, spec, mesh, dtype, batch: int, sp: int, *, shard_params: bool = False, ring: int | None = None,
-                 reduce_dtype=torch.float32):
+                 reduce_dtype=torch.float32, packing: str = "concat"):
         import autosp
         from autosp.api import mesh_info
-        self.sp, self.ring = sp, ring
+        self.sp, self.ring, self.packing = sp, ring, packing
         self.sharded = shard_params
         self.model = build_model(spec, device="meta", dtype=torch.float32 if shard_params else dtype)
         params = {k: v.detach().requires_grad_(True) for k, v in self.model.named_parameters()}
@@ -110,8 +119,8 @@ class Tracer:
             self.single_mesh = mesh if mesh_info(mesh).sp_size == 1 else planning_mesh(1, self.ranks)
         self.params = params
 
-    def loss_fn(self, params, input_ids, labels):
-        return torch.func.functional_call(self.model, params, (input_ids,), {"labels": labels}).loss
+    def loss_fn(self, params, input_ids, labels, position_ids=None):
+        return step_loss(self.model, params, input_ids, labels, position_ids)
 
     shared = None       # a _Shared of the probe's two processes, while they run
 
@@ -141,12 +150,13 @@ class Tracer:
         import autosp
         from autosp.trace import without_sources
         ids = torch.zeros(self.batch, length, dtype=torch.long, device="meta")
+        args = (self.params, ids, ids) + ((torch.zeros_like(ids),) if self.packing == "docs" else ())
         sharded = autosp.shard(self.loss_fn, mesh, ring=self.ring if mesh is self.mesh else None)
         try:
             with without_sources():
-                return sharded.graphs(self.params, ids, ids, global_graph=global_graph)
+                return sharded.graphs(*args, global_graph=global_graph)
         except AutospError:
-            return sharded.graphs(self.params, ids, ids, global_graph=global_graph)
+            return sharded.graphs(*args, global_graph=global_graph)
 
 
 class _Shared:

@@ -17,6 +17,7 @@ model or a memory budget autosp refuses leaves no trace.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -26,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from autosp.run import checkpoint, faults, metrics
-from autosp.run.data import batch_for_step, check_corpus, open_corpus
-from autosp.run.models import build_model, count_parameters, describe, model_config
+from autosp.run.data import batch_inputs
+from autosp.run.models import build_model, count_parameters, describe, spec_of
 from autosp.run.optim import make_optimizer, make_schedule, state_bytes
 
 
@@ -109,11 +110,113 @@ def worker(a) -> None:
 MEASURED_STEPS = 3          # CPU: the steps whose peak the profiler measures (it slows a step)
 
 
+def micro_batches(corpus, step, *, n: int, seed: int, part: tuple[int, int], dev) -> list[tuple]:
+    """Step n's (ids, labels, position ids or None) for this dp rank, split into its --grad-accum micro-batches."""
+    ids, labels, pos = batch_inputs(corpus, seq_len=step.seq_len, batch=step.global_batch, step=n, seed=seed,
+                                    part=part, packing=step.packing)
+    k = step.rank_batch
+
+    def t(x, i):
+        return None if x is None else torch.from_numpy(x[i * k:(i + 1) * k]).to(dev)
+    return [(t(ids, i), t(labels, i), t(pos, i)) for i in range(step.grad_accum)]
+
+
+def accumulated_step(step_fn, params: dict, micro: list[tuple]):
+    """The loss of a step over its micro-batches and their gradients summed into each parameter's .grad: each
+    micro-batch weighted by its share of the tokens that have a label, so the step is the one on the whole batch
+    (the model's loss is a mean over those tokens)."""
+    counts = [int((labels[:, 1:] != -100).sum()) for _, labels, _ in micro]
+    total = max(1, sum(counts))
+    loss = None
+    for (ids, labels, pos), count in zip(micro, counts):
+        part, grads = step_fn(params, ids, labels, pos)
+        w = count / total
+        part = part if len(micro) == 1 else part * w
+        loss = part if loss is None else loss + part
+        for name, p in params.items():
+            g = grads[name] if len(micro) == 1 else grads[name] * w
+            p.grad = g if p.grad is None else p.grad.add_(g)
+        del grads
+    return loss
+
+
+def evaluate(sharded, params: dict, corpus, step, *, batches: int, seed: int, part: tuple[int, int], dev) -> float:
+    """The mean loss over `batches` held-out batches (the same ones every time), forward only, each the size of a
+    training micro-batch (the same compiled program); token-weighted over the batches and the dp ranks."""
+    from autosp.run.data import batch_inputs as inputs
+    total = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for b in range(batches):
+            ids, labels, pos = inputs(corpus, seq_len=step.seq_len, batch=step.rank_batch * step.dp, step=b,
+                                      seed=seed, part=part, packing=step.packing)
+            count = int((labels[:, 1:] != -100).sum())
+            t = [None if x is None else torch.from_numpy(x).to(dev) for x in (ids, labels, pos)]
+            loss = sharded(params, *t)
+            total += torch.tensor([float(loss) * count, count], dtype=torch.float64)
+    dist.all_reduce(total)                       # every sp rank holds its dp rank's figures: the same for all
+    return float(total[0] / total[1])
+
+
+class _Logs:
+    """Rank 0's outputs: metrics.jsonl, TensorBoard events (OUT/tb), the progress bar, the run's config.json and
+    tokenizer (what `autosp export` and `autosp eval` read), opened once the first step has run."""
+
+    def __init__(self, a, spec, tok, start: int):
+        self.a, self.spec, self.tok, self.start = a, spec, tok, start
+        self.writer = self.bar = self.tb = None
+
+    def open(self) -> None:
+        a = self.a
+        os.makedirs(a.out, exist_ok=True)
+        from autosp.run.inputs import RUN_RECORD
+        self.spec.config.to_json_file(os.path.join(a.out, "config.json"))
+        kept = None if self.tok is None else "bytes" if self.tok.path == "bytes" else "tokenizer"
+        if kept == "tokenizer":
+            self.tok.load().save_pretrained(os.path.join(a.out, "tokenizer"))
+        with open(os.path.join(a.out, RUN_RECORD), "w") as f:
+            json.dump({"model": a.step.model, "tokenizer": kept, "step": a.step.argv()}, f, indent=1)
+        mpath = os.path.join(a.out, "metrics.jsonl")
+        metrics.truncate(mpath, self.start)
+        self.writer = metrics.Writer(mpath)
+        self.bar = _bar(self.start, a.steps)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(a.out, "tb"), purge_step=self.start + 1)
+        except ImportError:
+            self.tb = None
+
+    def write(self, row: dict) -> None:
+        if self.writer is None:
+            self.open()
+        self.writer.write(row)
+        if self.tb is not None:
+            n = row["step"]
+            for key, tag in (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
+                             ("tokens_per_s", "train/tokens_per_s"), ("eval_loss", "eval/loss"),
+                             ("eval_perplexity", "eval/perplexity")):
+                if row.get(key) is not None:
+                    self.tb.add_scalar(tag, row[key], n)
+            self.tb.add_scalar("memory/predicted_MiB", row["predicted_peak_bytes"][0] / 2**20, n)
+            measured = [m for m in row["peak_mem_bytes"] if m is not None]
+            if measured:
+                self.tb.add_scalar("memory/measured_MiB", max(measured) / 2**20, n)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
 def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
     from autosp.memory import StepMeter
     from autosp.remat.offload import _host_pool, _pinned_pool
     from autosp.run.answer import Fit, model_state
-    from autosp.run.plan import master_bytes
+    from autosp.run.models import rope_of
+    from autosp.run.plan import master_bytes, step_loss
     rank = dist.get_rank()
     step = a.step
     sp = step.sp
@@ -122,9 +225,9 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
     dp_rank = rank // sp                         # the mesh is (dp, sp), row-major over global ranks
     meter = StepMeter(dev, MEASURED_STEPS)       # before the model: CPU counts every byte allocated from here
 
-    spec = model_config(step.model)
-    corpus = open_corpus(a.data, a.token_dtype)
-    check_corpus(corpus, step.seq_len, spec.vocab)
+    spec = spec_of(step)
+    tok, inputs = a.tok, a.inputs                # cli.check_train's: the launcher tokenized, this rank opened the cache
+    corpus = inputs.corpus
     model = build_model(spec, seed=a.seed, device=str(dev))
     model.train()
     sharded = step.sharded
@@ -139,8 +242,9 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
         model.to(step.dtype)
     warmup = a.warmup if a.warmup is not None else max(1, min(100, a.steps // 10))
     sched = make_schedule(opt, warmup=warmup, total=a.steps, floor=a.min_lr_ratio)
+    rope = rope_of(spec.config)
     state = {"step": 0, "scheduler": sched.state_dict(), "seed": a.seed, "seq_len": step.seq_len,
-             "batch": step.global_batch}
+             "batch": step.global_batch, "rope": json.dumps(rope, sort_keys=True)}
 
     start = 0
     resumed = checkpoint.latest(a.out) if a.resume else None
@@ -152,6 +256,9 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
             if state.get(key) != now:
                 _say(f"note: the checkpoint was trained with --{key.replace('_', '-')} {state.get(key)}, "
                      f"this run uses {now}: the data order changes from here on")
+        if state.get("rope") != json.dumps(rope, sort_keys=True):
+            _say(f"note: the checkpoint was trained with RoPE {state.get('rope')}, this run uses {rope}")
+        state["rope"] = json.dumps(rope, sort_keys=True)
     if a.resume and resumed is None:
         _say(f"note: --resume, but {a.out} holds no complete checkpoint yet: starting at step 0")
     if start >= a.steps:
@@ -162,8 +269,8 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
 
     params = dict(model.named_parameters())
 
-    def loss_fn(params, input_ids, labels):
-        return torch.func.functional_call(model, params, (input_ids,), {"labels": labels}).loss
+    def loss_fn(params, input_ids, labels, position_ids):
+        return step_loss(model, params, input_ids, labels, position_ids)
 
     # the step as `autosp plan --seq-len` planned it: the same budget, host capacity, tiling and ring
     fit = Fit(step, state_model, step.token_bytes())
@@ -172,26 +279,28 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
     step_fn = value_and_grad(loss_fn, mesh, memory_budget=1.0 if fit.budget is None else fit.budget,
                              host_bandwidth=step.host_bandwidth, host_memory=fit.host_cap, ring=step.ring,
                              tiles=None if step.tile else {})
-    first = batch_for_step(corpus, seq_len=step.seq_len, batch=step.global_batch, step=start, seed=a.seed,
-                           part=(dp_rank, dp))
-    ids = torch.from_numpy(first).to(dev)
-    plan = step_fn.plan(params, ids, ids)        # compiles the step: a budget it cannot meet is refused here
-    predicted = fit.resident + plan.peak_bytes
-    del ids
+    part = (dp_rank, dp)
+    plan = step_fn.plan(params, *micro_batches(corpus, step, n=start, seed=a.seed, part=part, dev=dev)[0])
+    predicted = fit.resident + plan.peak_bytes   # compiling the step above refused a budget it cannot meet
     tokens_per_step = step.global_batch * step.seq_len
     n_params = count_parameters(model)
+    accum = f" in {step.grad_accum} micro-steps" if step.grad_accum > 1 else ""
     _say(f"autosp train: {describe(spec)}, {n_params / 1e6:.2f}M parameters\n"
          f"  ranks {world} = dp {dp} x sp {sp}" + (f" (ring {step.ring})" if step.ring else "")
          + f" on {dev.type} ({'nccl' if dev.type == 'cuda' else 'gloo'}), {step.precision}; "
-         f"global batch {step.global_batch} x {step.seq_len} tokens; {a.steps} steps, lr {a.lr} (warmup {warmup}, "
-         f"cosine)\n"
-         f"  data: {corpus.name}, {corpus.length:,} tokens = {corpus.sequences(step.seq_len):,} sequences\n"
-         f"{_memory_lines(fit, plan, step)}\n"
+         f"global batch {step.global_batch} x {step.seq_len} tokens{accum}; {a.steps} steps, lr {a.lr} (warmup "
+         f"{warmup}, cosine)\n"
+         f"  data: {corpus.name}, {corpus.length:,} tokens = {corpus.sequences(step.seq_len):,} sequences; packing "
+         f"{step.packing}" + (f"; held out: {inputs.heldout.length:,} tokens, evaluated every {a.eval_every} steps"
+                              if inputs.heldout is not None and a.eval_every else "") + "\n"
+         + (f"  RoPE: {rope}, {spec.config.max_position_embeddings:,} positions\n"
+            if step.rope_scaling or step.rope_theta else "")
+         + f"{_memory_lines(fit, plan, step)}\n"
          f"  measured: {meter.kind}" + ("" if dev.type == "cuda" else f", steps 1-{MEASURED_STEPS}") + "\n"
          f"  {_state_line(model, world, dev, sharded, step.optimizer_offload, 2 if step.optimizer == 'adamw' else 0)}"
          + (f"\n  resumed from {resumed} (step {start})" if resumed else ""))
 
-    writer = bar = None
+    logs = _Logs(a, spec, tok, start) if rank == 0 else None
     first_loss = last_loss = None
     run_losses: list[float] = []
     worst = None                                 # (measured - predicted) / predicted, the largest seen on any rank
@@ -201,13 +310,9 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
     for n in range(start + 1, a.steps + 1):
         faults.maybe_fail("step", n)
         t0 = time.perf_counter()
-        rows = batch_for_step(corpus, seq_len=step.seq_len, batch=step.global_batch, step=n - 1, seed=a.seed,
-                              part=(dp_rank, dp))
-        ids = torch.from_numpy(rows).to(dev)
-        loss, grads = step_fn(params, ids, ids)
-        for name, p in params.items():
-            p.grad = grads[name]
-        del grads
+        micro = micro_batches(corpus, step, n=n - 1, seed=a.seed, part=part, dev=dev)
+        loss = accumulated_step(step_fn, params, micro)
+        del micro
         norm = torch.nn.utils.clip_grad_norm_(list(params.values()), a.clip) if a.clip > 0 else None
         if norm is not None and hasattr(norm, "full_tensor"):  # sharded gradients: a replicated DTensor
             norm = norm.full_tensor()
@@ -216,7 +321,7 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
         sched.step()
         opt.zero_grad(set_to_none=True)
         loss_v = float(loss)
-        del loss, ids
+        del loss
         dt = time.perf_counter() - t0
         peak = meter.lap()
         mem = torch.tensor([-1 if peak is None else peak, pool.nbytes()], dtype=torch.float64, device=dev)
@@ -227,26 +332,27 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
         if measured[0] is not None:
             off = max((m - predicted) / predicted for m in measured)
             worst = off if worst is None else max(worst, off)
+        eval_loss = None
+        if inputs.heldout is not None and a.eval_every and (n % a.eval_every == 0 or n == a.steps):
+            eval_loss = evaluate(step_fn.sharded, params, inputs.heldout, step, batches=a.eval_batches,
+                                 seed=a.seed, part=part, dev=dev)
         if rank == 0:
-            if writer is None:                   # the first step compiled and ran: now the run may write
-                os.makedirs(a.out, exist_ok=True)
-                mpath = os.path.join(a.out, "metrics.jsonl")
-                metrics.truncate(mpath, start)
-                writer = metrics.Writer(mpath)
-                bar = _bar(start, a.steps)
             row = {"step": n, "loss": loss_v, "lr": lr, "grad_norm": None if norm is None else float(norm),
                    "tokens": n * tokens_per_step, "step_s": dt, "tokens_per_s": tokens_per_step / dt,
                    "peak_mem_bytes": measured, "predicted_peak_bytes": [predicted] * world,
                    "memory_bytes": step.memory_bytes, "host_bytes": host, "peak_mem_kind": meter.kind}
-            writer.write(row)
+            if eval_loss is not None:
+                row.update(eval_loss=eval_loss, eval_perplexity=math.exp(min(eval_loss, 50.0)))
+            logs.write(row)
             shown = ("measured " + " ".join(f"r{i} {m / 2**20:.1f}M" for i, m in enumerate(measured))
                      if measured[0] is not None else "")
             mem_text = f"{shown} / predicted {predicted / 2**20:.1f}M".lstrip()
-            if bar is not None:
-                bar.set_postfix_str(f"loss {loss_v:.4f} | {tokens_per_step / dt:,.0f} tok/s | {mem_text}")
-                bar.update(1)
-            elif n % max(1, a.steps // 20) == 0 or n == a.steps:
-                print(f"step {n}/{a.steps}  loss {loss_v:.4f}  {tokens_per_step / dt:,.0f} tok/s  {mem_text}",
+            ev = f" | eval {eval_loss:.4f}" if eval_loss is not None else ""
+            if logs.bar is not None:
+                logs.bar.set_postfix_str(f"loss {loss_v:.4f}{ev} | {tokens_per_step / dt:,.0f} tok/s | {mem_text}")
+                logs.bar.update(1)
+            elif n % max(1, a.steps // 20) == 0 or n == a.steps or eval_loss is not None:
+                print(f"step {n}/{a.steps}  loss {loss_v:.4f}{ev}  {tokens_per_step / dt:,.0f} tok/s  {mem_text}",
                       flush=True)
         first_loss = loss_v if first_loss is None else first_loss
         last_loss = loss_v
@@ -254,14 +360,12 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
         if (a.save_every and n % a.save_every == 0) or n == a.steps:
             state = {**state, "step": n, "scheduler": sched.state_dict()}
             saved = checkpoint.save(a.out, n, model, opt, state)
-            if bar is not None:
-                bar.set_description(f"train (saved {os.path.basename(saved)})")
+            if logs is not None and logs.bar is not None:
+                logs.bar.set_description(f"train (saved {os.path.basename(saved)})")
     meter.close()
     wall = time.perf_counter() - t_start
     if rank == 0:
-        if bar is not None:
-            bar.close()
-        writer.close()
+        logs.close()
         png = metrics.plot_loss(os.path.join(a.out, "metrics.jsonl"), os.path.join(a.out, "loss.png"),
                                 f"autosp train --model {step.model}: dp {dp} x sp {sp}, {step.global_batch} x "
                                 f"{step.seq_len} tokens per step")
@@ -272,9 +376,20 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
         held = ("" if worst is None else
                 f"  memory     measured peak {'+' if worst >= 0 else ''}{100 * worst:.2f} % against the predicted "
                 f"{predicted / 2**20:.2f} MiB per rank (the worst rank and step measured)\n")
+        tb = f"  tensorboard {os.path.join(a.out, 'tb')}\n" if logs.tb is not None else ""
+        if a.export:                              # the checkpoint just written, whole, as a Hugging Face folder
+            from autosp.run.export import export
+            folder = os.path.join(a.out, "hf")
+            if os.path.isdir(folder):
+                import shutil
+                shutil.rmtree(folder)
+            export(a.out, folder, step=a.steps)
+            tb += f"  exported   {folder} (AutoModelForCausalLM.from_pretrained loads it)\n"
         print(f"trained steps {start + 1}-{a.steps} in {wall:.0f} s: loss {first_loss:.4f} -> {last_loss:.4f}{mean}; "
               f"a uniform guess over the {spec.vocab} tokens scores ln {spec.vocab} = {math.log(spec.vocab):.3f}\n"
               f"{held}"
               f"  checkpoint {os.path.join(a.out, f'step-{a.steps}')}\n"
               f"  metrics    {os.path.join(a.out, 'metrics.jsonl')}\n"
+              f"{tb}"
               f"  {plot}", flush=True)
+    dist.barrier()                               # the others wait for rank 0's report (and export)
