@@ -485,7 +485,7 @@ def test_plan_orders_the_three_configurations(model):
     # the answer ends with the command that trains the ILP row's length
     assert report.ok and report.length == rows["SP=2, ILP plan (save/recompute)"]
     assert text.splitlines()[-1] == (f"  autosp train --model {model} --sp 2 --seq-len {report.length} --batch 1 "
-                                     "--precision fp32 --device cpu --memory 24MiB"), text.splitlines()[-1]
+                                     "--precision fp32 --device cpu --memory 24MiB --packing concat"), text.splitlines()[-1]
     old = longest(Step(model, sp=2, memory="24MiB", shard_params=False), parallel=False, check=False).text
     assert f"model state per rank (replicated over sp and dp): parameters {fmt(2 * master)}," in old, old
     assert "Gradients are all-reduced over sp by ring" in old and "parameter gathers" not in old

@@ -238,8 +238,7 @@ class Step:
             out += ["--no-tile"]
         if not self.shard_params:
             out += ["--no-shard-params"]
-        if self.packing != "concat":
-            out += ["--packing", self.packing]
+        out += ["--packing", self.packing]     # always: text defaults to docs, and the plan was for this one
         if self.rope_theta is not None:
             out += ["--rope-theta", f"{self.rope_theta:g}"]
         if self.rope_scaling is not None:
