@@ -52,9 +52,12 @@ class Sharded:
     """fn made sequence-parallel; compiled once per input signature (shapes, dtypes, mesh)."""
 
     def __init__(self, fn, mesh, in_specs=None, out_specs=None, memory_budget=None, host_bandwidth=None, ring=None,
-                 host_memory=None, tiles=None):
+                 host_memory=None, tiles=None, compile=False):  # noqa: A002 - the flag's name, as torch's
         from autosp.remat.plan import parse_budget, parse_host_memory
         self.fn, self.mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
+        self.compiled = bool(compile)
+        if self.compiled and memory_budget is None:     # compiled, the step runs as a plan: what autograd saves
+            memory_budget = 1.0
         self.tiles = _check_tiles(tiles, memory_budget)
         self.memory_budget, self.host_bandwidth = memory_budget, host_bandwidth
         self.host_memory = parse_host_memory(host_memory)   # a bad size fails here, not at the first call
@@ -175,8 +178,18 @@ class Sharded:
         from autosp.remat import compile_step
         plan, runner = compile_step(local, self.memory_budget, device=_device_of(leaves),
                                     host_bandwidth=self.host_bandwidth, host_memory=self.host_memory,
-                                    group=self.info.sp_group, tiles=self.tiles)
+                                    group=self.info.sp_group, tiles=self.tiles, compiled=self.compiled)
         return plan, runner
+
+    def compile_report(self) -> tuple[float, str] | None:
+        """compile=True: (seconds inductor took, its on-disk cache: 'hit', 'miss' or 'mixed') over the programs
+        compiled so far, which compile at their first call; None before any has."""
+        runs = [p for _, runner, _, _ in self._cache.values() if getattr(runner, "compiled", False)
+                for p in (runner.forward, runner.backward) if p.seconds is not None]
+        if not runs:
+            return None
+        kinds = {p.cache for p in runs}
+        return sum(p.seconds for p in runs), kinds.pop() if len(kinds) == 1 else "mixed"
 
     def plan(self, *args):
         """The remat plan for these arguments (compiles if needed)."""
@@ -245,7 +258,7 @@ def _check_tiles(tiles, memory_budget):
 
 
 def shard(fn=None, mesh=None, *, in_specs=None, out_specs=None, memory_budget=None, host_bandwidth=None,
-          host_memory=None, ring=None, tiles=None):
+          host_memory=None, ring=None, tiles=None, compile=False):  # noqa: A002
     """fn's sequence-parallel twin over mesh's 'sp' axis; also usable as @shard(mesh=mesh).
 
     memory_budget: None (save what autograd saves), a fraction of that step's peak (0.3), or
@@ -256,20 +269,22 @@ def shard(fn=None, mesh=None, *, in_specs=None, out_specs=None, memory_budget=No
     None lets autosp factorise (the largest U that divides the query heads; a ring only where heads run out).
     tiles: the position-wise chains (the MLPs, the loss head) run in tiles along the sequence, chain
     name -> tiles ({'loss': 16, 'mlp': 4}); None lets the planner tile where the budget needs it.
+    compile: each rank's forward and backward programs through inductor (autosp.ir.inductor), the remat
+    plan kept; without a memory_budget the step is planned at 1.0 (what autograd saves).
     """
     if fn is None:
         return lambda f: Sharded(f, mesh, in_specs, out_specs, memory_budget, host_bandwidth, ring, host_memory,
-                                 tiles)
+                                 tiles, compile)
     if mesh is None:
         raise AutospError("autosp.shard: no mesh given. Fix: autosp.shard(fn, mesh) or @autosp.shard(mesh=mesh).")
-    return Sharded(fn, mesh, in_specs, out_specs, memory_budget, host_bandwidth, ring, host_memory, tiles)
+    return Sharded(fn, mesh, in_specs, out_specs, memory_budget, host_bandwidth, ring, host_memory, tiles, compile)
 
 
 def value_and_grad(fn, mesh, *, in_specs=None, out_specs=None, memory_budget=None, host_bandwidth=None,
-                   host_memory=None, ring=None, tiles=None):
+                   host_memory=None, ring=None, tiles=None, compile=False):  # noqa: A002
     """JAX-style: (loss, grads of the first argument), both the single-device values on every sp rank."""
     step = shard(fn, mesh, in_specs=in_specs, out_specs=out_specs, memory_budget=memory_budget,
-                 host_bandwidth=host_bandwidth, host_memory=host_memory, ring=ring, tiles=tiles)
+                 host_bandwidth=host_bandwidth, host_memory=host_memory, ring=ring, tiles=tiles, compile=compile)
 
     def run(params, *rest):
         params = _differentiable(params)
@@ -290,11 +305,12 @@ class ShardedModule(torch.nn.Module):
     """nn.Module path: forward is sharded; loss.backward() fills the module's .grad as usual."""
 
     def __init__(self, module: torch.nn.Module, mesh, in_specs=None, out_specs=None, memory_budget=None,
-                 host_bandwidth=None, ring=None, host_memory=None, tiles=None):
+                 host_bandwidth=None, ring=None, host_memory=None, tiles=None, compile=False):  # noqa: A002
         super().__init__()
         self.module = module
         self._step = shard(self._call, mesh, in_specs=in_specs, out_specs=out_specs, memory_budget=memory_budget,
-                           host_bandwidth=host_bandwidth, host_memory=host_memory, ring=ring, tiles=tiles)
+                           host_bandwidth=host_bandwidth, host_memory=host_memory, ring=ring, tiles=tiles,
+                           compile=compile)
         # a module wrapped by torch's fully_shard: its parameters are read as DTensors, its hooks not run
         self._step.trace_context = lambda: fsdp_hooks_off(module)
 
@@ -306,8 +322,10 @@ class ShardedModule(torch.nn.Module):
 
 
 def compile(model: torch.nn.Module, mesh, *, in_specs=None, out_specs=None, memory_budget=None,  # noqa: A001
-            host_bandwidth=None, host_memory=None, ring=None, tiles=None) -> ShardedModule:
-    return ShardedModule(model, mesh, in_specs, out_specs, memory_budget, host_bandwidth, ring, host_memory, tiles)
+            host_bandwidth=None, host_memory=None, ring=None, tiles=None, compile=False) -> ShardedModule:  # noqa: A002
+    """nn.Module path of shard (its flags, `compile` too)."""
+    return ShardedModule(model, mesh, in_specs, out_specs, memory_budget, host_bandwidth, ring, host_memory, tiles,
+                         compile)
 
 
 def _differentiable(params):

@@ -77,6 +77,8 @@ def _train_parser(verbs) -> None:
                    "of --data, which training then leaves out")
     r.add_argument("--eval-fraction", type=float, default=0.02, help="of --data held out for --eval-every (0.02)")
     r.add_argument("--eval-batches", type=_positive(), default=4, help="batches each evaluation reads (default 4)")
+    r.add_argument("--compile", action="store_true", help="each rank's forward and backward programs through "
+                   "inductor (the remat plan kept); the first step compiles, from inductor's on-disk cache when warm")
     r.add_argument("--export", action="store_true", help="at the end, write OUT/hf: a Hugging Face folder of the last "
                    "checkpoint (autosp export)")
     _launcher_flags(t)

@@ -108,9 +108,10 @@ def cuda_capability(device: torch.device):
 
 
 def default_config(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int,
-                   capability: tuple | None = None) -> dict:
-    """Untuned configs that are correct everywhere and reasonable on H100/H200-class GPUs.
-    `capability`: the CUDA device's (major, minor), asked of the device when not given."""
+                   capability: tuple | None = None, hip: bool | None = None) -> dict:
+    """Untuned configs that are correct everywhere and reasonable on H100/H200-class GPUs and MI300X/MI250X.
+    `capability`: the CUDA device's (major, minor), asked of the device when not given; `hip`: a ROCm GPU (by
+    default: this torch's build), whose configs take no tensor descriptors (bench/compile_rocm.py)."""
     if device.type == "cpu":
         # The interpreter pays per Triton op, not per element: few programs, but still
         # several tiles per row at test sizes so the diagonal and tail paths run.
@@ -119,10 +120,10 @@ def default_config(kernel: str, device: torch.device, dtype: torch.dtype, head_d
             "flash_bwd": dict(BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, num_warps=4, num_stages=1, TMA=0),
             "layout_copy": dict(BLOCK_R=64, num_warps=4),
         }[kernel]
-    hip = torch.version.hip is not None
-    if capability is None:
+    hip = torch.version.hip is not None if hip is None else hip
+    if capability is None and not hip:
         capability = cuda_capability(device)
-    tma = int(capability is not None and capability >= (9, 0))   # Hopper and later: the copy engine
+    tma = int(not hip and capability is not None and capability >= (9, 0))   # Hopper and later: the copy engine
     wide = head_dim > 128 or dtype == torch.float32  # registers / shared memory run out first
     # Hopper, 16-bit, d <= 128: sizes chosen by compiling for sm_90 (bench/compile_sm90.py, RESULTS.md):
     # no spills in any of the three kernels; dK/dV keeps 64 keys (128 spills their fp32 accumulators).

@@ -190,10 +190,10 @@ def plan_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=None,
 
 
 def compile_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=None, host_memory=None,
-                 group: str | None = None, tiles=None):
+                 group: str | None = None, tiles=None, compiled: bool = False):
     """(Plan, runner): the step that runs the plan. With a process group, its first rank plans and
     broadcasts the plan (recomputed collectives must match across ranks, and a shared host plans
-    once); a refused budget is raised on every rank."""
+    once); a refused budget is raised on every rank. `compiled`: the programs through inductor."""
     import torch.distributed as dist
     from autosp.collectives import _pg
     from autosp.remat.apply import apply_plan
@@ -205,7 +205,7 @@ def compile_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=No
     if pg is None or dist.get_world_size(pg) == 1:
         plan, program, joint, boundary, _ = _planned(local, memory_budget, dev, host_memory=host_memory,
                                                      tiles=tiles)
-        return plan, Runner(program, joint, boundary)
+        return plan, Runner(program, joint, boundary, compiled, dev.name)
     box = [None]
     if dist.get_rank(pg) == 0:
         try:
@@ -222,7 +222,7 @@ def compile_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=No
     if dist.get_rank(pg) != 0:                   # the same tiling, then the same plan
         boundary, joint = joint_of(tile(local, ks) if ks else local)
     program = apply_plan(joint, saved, recomputed, offloaded)
-    return plan, Runner(program, joint, boundary)
+    return plan, Runner(program, joint, boundary, compiled, dev.name)
 
 
 def _recomputed(joint, program) -> tuple[int, ...]:

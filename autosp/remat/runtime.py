@@ -40,33 +40,65 @@ def lower_boxed(graph) -> fx.GraphModule:
     return gm
 
 
+def memory_cuts(timeline, limit: int) -> list[int]:
+    """Where to cut a program compiled by inductor (autosp.ir.inductor) so that it stays under `limit` bytes however
+    inductor fuses and orders the equations of a segment: at worst a segment makes all its values first and frees
+    what it frees last, so a segment ends before the equation that would take that worst case above the limit.
+    `timeline`: the program's (autosp.remat.liveness.Timeline). Where memory is far below the limit a segment is
+    long; near the peak, cuts come often (a recomputation fused with an earlier layer's kernel would run earlier
+    than planned, and two kernels fused hold the inputs the first would have freed)."""
+    cuts, live = [], timeline.start              # live: bytes before equation k
+    worst = live                                 # the segment's worst case so far
+    for k, (during, after) in enumerate(zip(timeline.during, timeline.after)):
+        made = max(0, during - live)
+        if k and worst + made > limit:
+            cuts.append(k)
+            worst = live
+        worst += made
+        live = after
+    return cuts
+
+
 class Runner:
     """The compiled step: lowered forward and (boxed) backward, with the boundary's bookkeeping."""
 
-    def __init__(self, program: Program, joint: Joint, boundary: StepBoundary):
+    def __init__(self, program: Program, joint: Joint, boundary: StepBoundary, compiled: bool = False,
+                 device: str = "cpu"):
         self.program = program
-        self.forward = lower(program.forward)
-        self.backward = lower_boxed(program.backward)
+        self.compiled = compiled
+        if compiled:                  # inductor, at the first call of each (autosp.ir.inductor): boxed, both
+            from autosp.ir.inductor import Compiled
+            from autosp.remat.plan import simulate_step
+            mem = simulate_step(program, device)
+            self.forward = Compiled(program.forward, cuts=memory_cuts(mem.forward, mem.peak))
+            self.backward = Compiled(program.backward, cuts=memory_cuts(mem.backward, mem.peak))
+        else:
+            self.forward = lower(program.forward)
+            self.backward = lower_boxed(program.backward)
         self.n_out = program.n_outputs
         self.n_primals = joint.n_primals
         self.diff_inputs = joint.diff_inputs
         self.diff_outputs = joint.diff_outputs
         self.scale = boundary.scale
         self.sync = dict(boundary.sync)
-        self.copy_grad = _shared_outputs(program.backward)
+        # an in-place all-reduce must not write a storage the program shares; compiled code may alias otherwise
+        self.copy_grad = [True] * len(program.backward.outputs) if compiled else _shared_outputs(program.backward)
+
+    def run_forward(self, primals) -> list:
+        return self.forward(list(primals)) if self.compiled else self.forward(*primals)
 
     def __call__(self, *primals):
         if not torch.is_grad_enabled() or not any(
                 isinstance(primals[i], torch.Tensor) and primals[i].requires_grad for i in self.diff_inputs):
             with torch.no_grad():
-                return tuple(self.forward(*primals)[:self.n_out])
+                return tuple(self.run_forward(primals)[:self.n_out])
         return _RematStep.apply(self, *primals)
 
 
 class _RematStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run: Runner, *primals):
-        res = run.forward(*primals)
+        res = run.run_forward(primals)
         outs, kept = res[:run.n_out], res[run.n_out:]
         ctx.run = run
         ctx.save_for_backward(*primals, *kept)

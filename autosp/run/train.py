@@ -278,7 +278,7 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
     fit.host_cap = step.activation_host_bytes(state_model.host)
     step_fn = value_and_grad(loss_fn, mesh, memory_budget=1.0 if fit.budget is None else fit.budget,
                              host_bandwidth=step.host_bandwidth, host_memory=fit.host_cap, ring=step.ring,
-                             tiles=None if step.tile else {})
+                             tiles=None if step.tile else {}, compile=a.compile)
     part = (dp_rank, dp)
     plan = step_fn.plan(params, *micro_batches(corpus, step, n=start, seed=a.seed, part=part, dev=dev)[0])
     predicted = fit.resident + plan.peak_bytes   # compiling the step above refused a budget it cannot meet
@@ -332,6 +332,9 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
         if measured[0] is not None:
             off = max((m - predicted) / predicted for m in measured)
             worst = off if worst is None else max(worst, off)
+        if a.compile and n == start + 1:
+            secs, cache = step_fn.sharded.compile_report()
+            _say(f"  compiled by inductor in {secs:.1f} s ({'warm: its on-disk cache' if cache == 'hit' else 'cold' if cache == 'miss' else 'partly from its on-disk cache'})")
         eval_loss = None
         if inputs.heldout is not None and a.eval_every and (n % a.eval_every == 0 or n == a.steps):
             eval_loss = evaluate(step_fn.sharded, params, inputs.heldout, step, batches=a.eval_batches,
