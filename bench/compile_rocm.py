@@ -81,6 +81,8 @@ def fmt(r: dict) -> str:
 
 def copy_launch():
     """The Ulysses layout copy (pack and unpack are the same kernel on other strides): one recorded launch."""
+    from autosp.kernels._triton import jit_module
+    jit_module(vars(ulysses))                    # the jitted kernel, before the recorder stands in for it
     log = []
     saved = ulysses._copy5
 
@@ -106,7 +108,7 @@ def hip_defaults(dtype, d):
 
 def report(target, dtype, d, causal, fwd, bwd, terms=None) -> list[tuple[str, dict]]:
     out = []
-    for fn, args, kwargs in launches(dtype, d, causal, fwd, bwd, terms):
+    for fn, args, kwargs in launches(dtype, d, causal, fwd, bwd, terms, hip=True):
         out.append((LABEL[fn.__name__], resources(compile_for(target, fn, args, kwargs))))
     return out
 

@@ -71,15 +71,15 @@ def recording():
             setattr(flash, name, fn)
 
 
-def launches(dtype, d, causal, fwd_cfg, bwd_cfg, terms=None, s=8192, heads=(32, 8)):
-    """The kernels a forward and backward launch at these configs: [(jit fn, args, kwargs)]."""
+def launches(dtype, d, causal, fwd_cfg, bwd_cfg, terms=None, s=8192, heads=(32, 8), hip=False):
+    """The kernels a forward and backward launch at these configs (`hip`: as on ROCm): [(jit fn, args, kwargs)]."""
     meta = dict(device="meta", dtype=dtype)
     q = torch.empty(1, heads[0], s, d, **meta)
     k, v = (torch.empty(1, heads[1], s, d, **meta) for _ in range(2))
     tiles = None if terms is None else TileMask(torch.zeros(len(terms.terms), 2, 1, s, dtype=torch.int64), s,
                                                 terms.ops, terms.causal)
     if tiles is not None:
-        fwd_cfg = flash.terms_forward_config(fwd_cfg)   # what masked_attention launches
+        fwd_cfg = flash.terms_forward_config(fwd_cfg, hip)   # what masked_attention launches
     scale = d ** -0.5
     with recording() as log:
         o, lse = flash.attention_forward(q, k, v, causal, scale, fwd_cfg, tiles)

@@ -12,6 +12,7 @@ the profiler's allocation events). Both sides free the previous step's grads bef
 measured window opens, so neither window contains the other step's frees.
 
     .venv/bin/python bench/sp_vs_ulysses.py [--seq 4096 --steps 5 --layers 4 --hidden 256]
+    .venv/bin/python bench/sp_vs_ulysses.py --compile [--compile-ulysses]   # A through inductor [B torch.compile'd]
 """
 from __future__ import annotations
 
@@ -143,7 +144,7 @@ def _job(rank, world, args):
     # ---- A: autosp on the plain single-device loss
     model_a = build_model(args, "sdpa", **({"use_cache": False} if args.no_cache else {}))
     params = {k: v.detach().clone().requires_grad_(True) for k, v in model_a.named_parameters()}
-    step_a_fn = autosp.shard(llama_loss(model_a), mesh, memory_budget=args.memory_budget)
+    step_a_fn = autosp.shard(llama_loss(model_a), mesh, memory_budget=args.memory_budget, compile=args.compile)
 
     def step_a():
         loss = step_a_fn(params, ids, labels)
@@ -155,9 +156,10 @@ def _job(rank, world, args):
     model_b = build_model(args, ATTN_NAME)
     model_b.load_state_dict(model_a.state_dict())
     local_batch = ulysses_batch(ids, labels, sp)
+    run_b = torch.compile(model_b) if args.compile_ulysses else model_b     # its parameters are model_b's
 
     def step_b():
-        total = ulysses_step(model_b, local_batch, sp)
+        total = ulysses_step(run_b, local_batch, sp)
         return total, {k: p.grad for k, p in model_b.named_parameters()}
 
     def free_grads():
@@ -217,6 +219,8 @@ def main(argv=None):
     ap.add_argument("--sp", type=int, default=2)
     ap.add_argument("--no-cache", action="store_true", help="autosp's model with use_cache=False (explicit mask)")
     ap.add_argument("--memory-budget", type=float, default=None, help="autosp's memory_budget (fraction)")
+    ap.add_argument("--compile", action="store_true", help="autosp's programs through inductor (compile=True)")
+    ap.add_argument("--compile-ulysses", action="store_true", help="the hand-written side under torch.compile")
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args(argv)
     if args.intermediate is None:

@@ -457,6 +457,23 @@ def test_config_cache_lookup(tmp_path, monkeypatch):
             pass
 
 
+def test_rocm_configs_move_tiles_by_pointers_and_were_compiled_without_spills():
+    """ROCm has no tensor descriptors: its defaults take the pointer path at every size, and the masked forward
+    keeps key tiles of 32 (bench/compile_rocm.py compiled every default for gfx942 and gfx90a: 0 VGPRs spilled;
+    the CUDA default's 128-key dK/dV and 64-key masked forward spilled on gfx942)."""
+    from autosp.kernels import flash
+    gpu = torch.device("cuda")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for d in (64, 128, 256):
+            fwd = config.default_config("flash_fwd", gpu, dtype, d, hip=True)
+            bwd = config.default_config("flash_bwd", gpu, dtype, d, hip=True)
+            assert fwd["TMA"] == 0 and bwd["TMA"] == 0, (dtype, d)
+            assert config.is_valid("flash_fwd", fwd) and config.is_valid("flash_bwd", bwd), (dtype, d, fwd, bwd)
+            assert flash.terms_forward_config(fwd, hip=True)["BLOCK_N"] <= 32
+    hopper = config.default_config("flash_bwd", gpu, torch.bfloat16, 128, capability=(9, 0), hip=False)
+    assert hopper["TMA"] == 1
+
+
 def test_lowering_dispatches_attention_to_the_measured_kernel(monkeypatch):
     """The traced (and sharded) program names one attention op, SDPA; lowering calls the kernel that
     autosp.kernels.dispatch picks (flash only where measured faster: never on CPU), the lowered

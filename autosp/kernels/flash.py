@@ -960,13 +960,16 @@ def _pad(t: torch.Tensor, dp: int) -> torch.Tensor:
     return t if t.shape[-1] == dp else F.pad(t, (0, dp - t.shape[-1]))
 
 
-def terms_forward_config(cfg: dict) -> dict:
+def terms_forward_config(cfg: dict, hip: bool | None = None) -> dict:
     """The forward's config for a terms mask: key tiles of at most 64, 8 warps for 128-row query
     tiles. The terms forward also holds the mask vectors and tile bounds: on sm_90 it spills at
     128x128 (bf16 d=128) and with 4 warps (fp16 d=64), and does not at 128x64 with 8 warps
-    (bench/compile_sm90.py). Same BLOCK_M, so every tiling rule still holds."""
+    (bench/compile_sm90.py). On ROCm (`hip`, by default this torch's build) key tiles of at most 32:
+    gfx942 spills 62 VGPRs at 128x64 with the sliding window's terms (bench/compile_rocm.py). Same
+    BLOCK_M, so every tiling rule still holds."""
+    hip = torch.version.hip is not None if hip is None else hip
     warps = max(cfg["num_warps"], 8) if cfg["BLOCK_M"] >= 128 else cfg["num_warps"]
-    return dict(cfg, BLOCK_N=min(cfg["BLOCK_N"], 64), num_warps=warps)
+    return dict(cfg, BLOCK_N=min(cfg["BLOCK_N"], 32 if hip else 64), num_warps=warps)
 
 
 def _triton_forward(q, k, v, causal, scale, tiles=None):
