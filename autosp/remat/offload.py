@@ -105,8 +105,8 @@ def offload(x: Tensor) -> Tensor:
 
 
 @offload.register_fake
-def _(x):
-    return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+def _(x):                      # the real op's strides (a clone's: _HostPool.take), or compiled code's views fail
+    return torch.empty_like(x, device="cpu")
 
 
 @torch.library.custom_op("autosp::prefetch", mutates_args=())
@@ -117,7 +117,7 @@ def prefetch(h: Tensor, device: str) -> Tensor:
         return h.clone()
     side = _stream(dev)
     with torch.cuda.stream(side):
-        out = torch.empty(h.shape, dtype=h.dtype, device=dev)
+        out = torch.empty_like(h, device=dev)                      # h's strides, as the CPU path's clone
         out.copy_(h, non_blocking=True)
         event = torch.cuda.Event()
         event.record(side)
@@ -131,7 +131,7 @@ _pending: dict[int, object] = {}
 
 @prefetch.register_fake
 def _(h, device):
-    return torch.empty(h.shape, dtype=h.dtype, device=device)
+    return torch.empty_like(h, device=device)
 
 
 @torch.library.custom_op("autosp::wait", mutates_args=())
