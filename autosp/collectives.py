@@ -218,7 +218,9 @@ def a2a_unpack(recv: Tensor, shapes: list[list[int]], scatter_dim: int, gather_d
         out[gather_dim] *= p
         t = v.reshape(out)
         if t.untyped_storage().data_ptr() == recv.untyped_storage().data_ptr():
-            t = t.clone()     # a custom op's outputs may not alias each other or its buffers
+            # a custom op's outputs may not alias each other or its buffers; contiguous, as the fake says
+            # (compiled code asserts the fake's strides)
+            t = t.clone(memory_format=torch.contiguous_format)
         outs.append(t)
     return outs
 

@@ -51,7 +51,7 @@ def _(length, padded, device):
 @torch.library.custom_op("autosp::grouped_mm", mutates_args=())
 def grouped_mm(mat_a: Tensor, mat_b: Tensor, offs: Tensor) -> Tensor:
     """mat_a (M, K), rows grouped by offs (G cumulative ends, int32) @ mat_b (G, K, N) -> (M, N)."""
-    return torch._grouped_mm(mat_a, mat_b, offs=offs)
+    return torch._grouped_mm(mat_a, mat_b, offs=offs).contiguous()   # the fake's strides (compiled code asserts)
 
 
 @grouped_mm.register_fake
@@ -64,12 +64,12 @@ def grouped_mm_backward(grad: Tensor, mat_a: Tensor, mat_b: Tensor, offs: Tensor
     # rows of group g: d mat_a = grad @ mat_b[g].T; d mat_b[g] = mat_a[rows].T @ grad[rows] (zero if empty)
     grad_a = torch._grouped_mm(grad, mat_b.transpose(-2, -1), offs=offs)
     grad_b = torch._grouped_mm(mat_a.transpose(0, 1), grad, offs=offs)
-    return grad_a, grad_b
+    return grad_a.contiguous(), grad_b.contiguous()          # the fake's strides (compiled code asserts them)
 
 
 @grouped_mm_backward.register_fake
 def _(grad, mat_a, mat_b, offs):
-    return torch.empty_like(mat_a), torch.empty_like(mat_b)
+    return mat_a.new_empty(mat_a.shape), mat_b.new_empty(mat_b.shape)
 
 
 def _grouped_mm_setup(ctx, inputs, output):

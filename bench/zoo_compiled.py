@@ -40,7 +40,9 @@ def _job(rank, world, names, s, budget):
             vg = autosp.value_and_grad(fn, mesh, memory_budget=budget, compile=True)
             loss, grads = vg(params, ids, labels)
         except Exception as exc:                     # a model that does not compile: reported, not hidden
-            out[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+            lines = str(exc).splitlines()
+            where = next((line for line in lines if line.startswith("Error in op:")), "")
+            out[name] = {"error": f"{type(exc).__name__}: {lines[0][:200]} {where}".strip()}
             continue
         errors = rank_errors(loss, grads, ref, ref_grads)
         worst = max(errors, key=errors.get)
