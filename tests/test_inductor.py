@@ -60,3 +60,21 @@ def test_the_compiled_step_is_exact_and_keeps_the_plan():
             off = (measured - predicted) / predicted
             assert -0.05 <= off <= 0.03, f"rank {rank}, budget {budget}: measured {measured:,} B, plan {predicted:,} B"
         assert peaks[-1][1] < 0.5 * peaks[0][1], peaks                # remat compiled still saves memory
+
+
+def test_memory_cuts_keep_each_segments_worst_case_under_the_limit():
+    """A segment's worst case (all its values made first, what it frees freed last) stays under the limit: a cut
+    comes before the equation that would pass it, and none where memory is far below."""
+    from autosp.remat.liveness import Timeline
+    from autosp.remat.runtime import memory_cuts
+    # bytes live after each equation: up to a peak of 100, down, up to 100 again
+    after = (30, 60, 90, 40, 10, 50, 90, 20)
+    during = (30, 60, 100, 90, 40, 50, 100, 90)
+    t = Timeline(start=0, after=after, during=during, end=20)
+    cuts = memory_cuts(t, 100)
+    bounds = [0, *cuts, len(after)]
+    for a, b in zip(bounds, bounds[1:]):
+        live = after[a - 1] if a else 0
+        worst = live + sum(max(0, during[k] - (after[k - 1] if k else 0)) for k in range(a, b))
+        assert worst <= 100, (cuts, a, b, worst)
+    assert cuts == [5] and memory_cuts(t, 10**9) == [] and len(memory_cuts(t, 60)) > 1
