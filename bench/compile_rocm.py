@@ -27,13 +27,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton._C.libtriton import native_specialize_impl  # noqa: E402
 from triton.backends import backends  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 from autosp.kernels import config, ulysses  # noqa: E402
-from compile_sm90 import MASKS, launches  # noqa: E402
+from compile_sm90 import MASKS, compile_launch, launches  # noqa: E402
 
 BACKEND = backends["amd"].compiler
 TARGETS = {"gfx942": GPUTarget("hip", "gfx942", 64), "gfx90a": GPUTarget("hip", "gfx90a", 64)}
@@ -42,22 +40,7 @@ LABEL = {"_attn_fwd": "fwd", "_bwd_dkdv": "dkdv", "_bwd_dq": "dq", "_copy5": "co
 
 def compile_for(target, fn, args, kwargs):
     """One recorded launch compiled for `target` with the JIT's specialisation of its arguments."""
-    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
-    values = dict(zip(fn.arg_names, args)) | {k: v for k, v in kwargs.items() if k not in options}
-    signature, constexprs, attrs = {}, {}, {}
-    for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
-        value = values[name]
-        if param.is_constexpr:
-            signature[name], constexprs[(i,)] = "constexpr", value
-            continue
-        kind, key = native_specialize_impl(BACKEND, value, False, True, True)
-        signature[name] = kind
-        if kind == "constexpr":
-            constexprs[(i,)] = value
-        elif key:
-            attrs[(i,)] = BACKEND.parse_attr(key)
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=target, options=options)
+    return compile_launch(fn, args, kwargs, target=target, backend=BACKEND)
 
 
 def resources(compiled) -> dict:

@@ -87,8 +87,10 @@ def launches(dtype, d, causal, fwd_cfg, bwd_cfg, terms=None, s=8192, heads=(32, 
     return [entry for entry in log if entry[0].__name__ in KERNELS]
 
 
-def compile_launch(fn, args, kwargs):
-    """Compile one recorded launch for sm_90 with the JIT's specialisation of its arguments."""
+def compile_launch(fn, args, kwargs, target=None, backend=None):
+    """Compile one recorded launch (for sm_90 unless `target`, with that target's `backend` compiler) with the JIT's
+    specialisation of its arguments."""
+    target, backend = target or TARGET, backend or BACKEND
     options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
     values = dict(zip(fn.arg_names, args)) | {k: v for k, v in kwargs.items() if k not in options}
     signature, constexprs, attrs = {}, {}, {}
@@ -97,14 +99,14 @@ def compile_launch(fn, args, kwargs):
         if param.is_constexpr:
             signature[name], constexprs[(i,)] = "constexpr", value
             continue
-        kind, key = native_specialize_impl(BACKEND, value, False, True, True)
+        kind, key = native_specialize_impl(backend, value, False, True, True)
         signature[name] = kind
         if kind == "constexpr":
             constexprs[(i,)] = value
         elif key:
-            attrs[(i,)] = BACKEND.parse_attr(key)
+            attrs[(i,)] = backend.parse_attr(key)
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=TARGET, options=options)
+    return triton.compile(src, target=target, options=options)
 
 
 def resources(compiled) -> dict:

@@ -52,6 +52,16 @@ def tokenizer_for(model: str, flag: str | None) -> text.Tokenizer | None:
 RUN_RECORD = "autosp.json"              # what a run folder says of how it was trained (train writes it)
 
 
+def _corpus(path: str, tok, a, flag: str, notes: list[str]):
+    """The corpus of --data or --eval-data: text tokenized into (or read back from) the cache, or token ids."""
+    if not _is_text(path):
+        return open_corpus(path, a.token_dtype)
+    from autosp.run.data import corpus_of
+    cache, note = _tokenized(path, tok, a, flag)
+    notes.append(f"{flag}: {note}")
+    return corpus_of(cache)
+
+
 def _is_text(path: str | None) -> bool:
     return path is not None and (os.path.isdir(path) or path.endswith(text.TEXT_SUFFIXES))
 
@@ -89,23 +99,11 @@ def prepare(a, tok: text.Tokenizer | None, vocab: int, seq_len: int) -> Inputs:
             raise AutospError(f"--tokenizer {tok.path}: {t_vocab:,} token ids, more than the model's vocabulary of "
                               f"{vocab:,}. Fix: the tokenizer the model was trained with, or a model whose vocab_size "
                               f"is at least {t_vocab}.")
-    if _is_text(a.data):
-        cache, note = _tokenized(a.data, tok, a, "--data")
-        from autosp.run.data import corpus_of
-        corpus = corpus_of(cache)
-        notes.append(f"--data: {note}")
-    else:
-        corpus = open_corpus(a.data, a.token_dtype)
+    corpus = _corpus(a.data, tok, a, "--data", notes)
     check_corpus(corpus, seq_len, vocab)
     heldout = None
     if a.eval_data is not None:
-        if _is_text(a.eval_data):
-            cache, note = _tokenized(a.eval_data, tok, a, "--eval-data")
-            from autosp.run.data import corpus_of
-            heldout = corpus_of(cache)
-            notes.append(f"--eval-data: {note}")
-        else:
-            heldout = open_corpus(a.eval_data, a.token_dtype)
+        heldout = _corpus(a.eval_data, tok, a, "--eval-data", notes)
         check_corpus(heldout, seq_len, vocab)
     elif a.eval_every:
         cut = int(corpus.length * (1 - a.eval_fraction))
