@@ -16,7 +16,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
 
 from bench import command  # noqa: E402
 
@@ -24,17 +23,12 @@ from bench import command  # noqa: E402
 def _job(rank, world, names, s, budget):
     import autosp
     from torch.distributed.device_mesh import init_device_mesh
-    from tests.models import batch, rank_errors
-    from tests.zoo import build
+    from tests.models import rank_errors
+    from tests.zoo import case
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
     out = {}
     for name in names:
-        model, fn = build(name)
-        params = {k: v.detach().clone() for k, v in model.named_parameters()}
-        ids, labels = batch(2, s, 64, seed=1, pad=3)
-        p = {k: v.clone().requires_grad_(True) for k, v in params.items()}
-        ref = fn(p, ids, labels)
-        ref_grads = dict(zip(params, torch.autograd.grad(ref, list(p.values()), allow_unused=True)))
+        _, fn, params, (ids, labels), ref, ref_grads = case(name, s)
         t0 = time.perf_counter()
         try:
             vg = autosp.value_and_grad(fn, mesh, memory_budget=budget, compile=True)

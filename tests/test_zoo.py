@@ -18,22 +18,17 @@ from tests.zoo import NAMES
 def _zoo_job(rank, world, names, s):
     import autosp
     from torch.distributed.device_mesh import init_device_mesh
-    from tests.models import batch, rank_errors
-    from tests.zoo import build
+    from tests.models import rank_errors
+    from tests.zoo import case
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
     report = {}
     for name in names:
-        model, fn = build(name)
-        params = {k: v.detach().clone() for k, v in model.named_parameters()}
-        ids, labels = batch(2, s, 64, seed=1, pad=3)
-        p = {k: v.clone().requires_grad_(True) for k, v in params.items()}
-        ref = fn(p, ids, labels)
-        ref_grads = torch.autograd.grad(ref, list(p.values()), allow_unused=True)
+        model, fn, params, (ids, labels), ref, ref_grads = case(name, s)
         vg = autosp.value_and_grad(fn, mesh)
         loss, grads = vg(params, ids, labels)
         (local, *_), = vg.sharded._cache.values()
         layers = model.config.num_hidden_layers if hasattr(model, "config") else len(model.layers)
-        report[name] = (rank_errors(loss, grads, ref, dict(zip(params, ref_grads))),
+        report[name] = (rank_errors(loss, grads, ref, ref_grads),
                         sum(e.op.name == "all_to_all" for e in local.eqns),
                         sum(e.op.name == "all_gather_seq" for e in local.eqns), 2 * layers)
     return report

@@ -175,4 +175,17 @@ def build(name: str, **extra):
     return model, hf_loss(model)
 
 
+def case(name: str, s: int):
+    """A zoo entry's step at length s: (model, loss_fn, params, (ids, labels), the single device's loss, its grads
+    by parameter name) -- the reference every sharded run of the zoo is held to."""
+    from tests.models import batch
+    model, fn = build(name)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    ids, labels = batch(2, s, 64, seed=1, pad=3)
+    p = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    ref = fn(p, ids, labels)
+    ref_grads = dict(zip(params, torch.autograd.grad(ref, list(p.values()), allow_unused=True)))
+    return model, fn, params, (ids, labels), ref, ref_grads
+
+
 NAMES = ["meta_llama"] + list(HF)
