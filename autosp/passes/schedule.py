@@ -292,7 +292,8 @@ def schedule_program(program):
         bwd = schedule(bwd)
     if fwd is program.forward and bwd is program.backward:
         return program
-    return replace(program, forward=fwd, backward=bwd)
+    named = lambda g, was: g if g is None or g is was else g.replace(name=f"{was.name} (scheduled)")  # noqa: E731
+    return replace(program, forward=named(fwd, program.forward), backward=named(bwd, program.backward))
 
 
 # ---------------------------------------------------------------- what explain shows
