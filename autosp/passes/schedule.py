@@ -62,10 +62,10 @@ def _split_all_to_all(e: Eqn, group: str) -> list[Eqn]:
 
 
 def _split_gather(e: Eqn, group: str) -> list[Eqn]:
-    from autosp.collectives import group_size
+    from autosp.remat.liveness import _ranks
     a = e.bind_schema()
     x, rows, dtype = a["x"], a["rows"], a["dtype"]
-    p = group_size(group)
+    p = _ranks(e, 2, x.shape[0], rows)           # a program simulated away from its process group: from its rows
     param = e.outputs[0]
     send = _buffer(param, "send", x.shape, dtype)
     full_shape = (p * x.shape[0],) + tuple(x.shape[1:])
@@ -80,10 +80,10 @@ def _split_gather(e: Eqn, group: str) -> list[Eqn]:
 
 
 def _split_reduce_scatter(e: Eqn, group: str) -> list[Eqn]:
-    from autosp.collectives import group_size
+    from autosp.remat.liveness import _ranks
     a = e.bind_schema()
     g, chunk, reduce_dtype, dtype = a["g"], a["chunk"], a["reduce_dtype"], a["dtype"]
-    p = group_size(group)
+    p = _ranks(e, 2, chunk, g.shape[0])
     grad = e.outputs[0]
     rest = tuple(g.shape[1:])
     full = _buffer(grad, "full", (p * chunk,) + rest, reduce_dtype)
