@@ -381,7 +381,11 @@ def explain(fn, mesh, *args, in_specs=None, memory_budget=None, host_bandwidth=N
         from autosp.remat import plan_step
         plan, program, _, _ = plan_step(local, memory_budget, device=_device_of(args), host_bandwidth=host_bandwidth,
                                         host_memory=host_memory, tiles=_check_tiles(tiles, memory_budget))
-        parts += [str(plan), str(program.forward), str(program.backward)]
+        from autosp.passes.schedule import overlap_summary, schedule_program
+        from autosp.remat.cost import device_for
+        parts += [str(plan), overlap_summary(program, device_for(_device_of(args), host_bandwidth), full=True)]
+        scheduled = schedule_program(program)
+        parts += [str(scheduled.forward), str(scheduled.backward)]
     return "\n\n".join(parts)
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU check of autosp's kernels: one command, installs nothing (no network needed), budgeted to finish
-# in under 7 minutes on an H200 with a cold Triton cache (a 400 s budget; not yet run on one).
+# GPU check of autosp's kernels and of the whole step: one command, installs nothing (no network needed), budgeted
+# to finish in 10 minutes on an H200 with a cold Triton cache (a 600 s budget; not yet run on one).
 #
 #   bash bench/gpu_check.sh OUT_DIR        # from the repo root; the repo need not be pip-installed
 #
@@ -12,14 +12,17 @@
 #  4. Ulysses pack/unpack bandwidth against a plain copy
 #  5. TFLOP/s forward and backward against SDPA's FLASH and cuDNN backends -- printed last
 #  6. masked_attention's kernel: packed documents against plain causal at the same length
-#  7. the whole step, planned and run (bench/plan_vs_train.py): a 1B-shaped Llama in bf16 on this one GPU (sp 1),
+#  7. the whole step on this GPU (bench/gpu_step.py): Llama 3.2 1B's shapes (4 layers), bf16, s = 32K, sp 1: the plan
+#     at budgets 1.0 / 0.5 / least, 0.5 untiled, 0.5 compiled by inductor, the least with activations offloaded
+#     through the pinned pool on a side stream; torch.cuda.max_memory_allocated against plan.peak_bytes, step time
+#     against eager at 0.5
+#  8. the whole step, planned and run (bench/plan_vs_train.py): a 1B-shaped Llama in bf16 on this one GPU (sp 1),
 #     `autosp plan --memory 24GiB` gives the longest length, `autosp train` runs it 3 steps: the CUDA memory
-#     model's prediction against torch.cuda.max_memory_allocated, and the step time (with --offload: the
-#     pinned pool on a side stream, if time is left)
+#     model's prediction against torch.cuda.max_memory_allocated, and the step time
 #
-# OUT_DIR holds 7 files: logs.tar.gz (every step's log), summary.txt, kernel_configs.json,
-# a2a_table.md, attention_table.md, masked_table.md, step_table.md (and the tarball's listing is in summary.txt).
-# Each step has its own time limit inside a total budget (GPU_CHECK_BUDGET seconds, default 580); a step that runs out
+# OUT_DIR holds 8 files: logs.tar.gz (every step's log), summary.txt, kernel_configs.json, a2a_table.md,
+# attention_table.md, masked_table.md, whole_step_table.md, step_table.md (the tarball's listing is in summary.txt).
+# Each step has its own time limit inside a total budget (GPU_CHECK_BUDGET seconds, default 600); a step that runs out
 # of time, or finds no time left, is named as cut. Exit status: 0 only if every step passed.
 set -uo pipefail
 
@@ -34,7 +37,7 @@ export AUTOSP_KERNEL_CONFIGS="$OUT/kernel_configs.json"
 export TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}"  # silence 3.9's warning; 3.6 ignores it
 unset TRITON_INTERPRET  # compiled kernels (the scripts set it themselves where there is no GPU)
 PY="${PYTHON:-python3}"
-BUDGET="${GPU_CHECK_BUDGET:-580}"
+BUDGET="${GPU_CHECK_BUDGET:-600}"
 START=$SECONDS
 STATUS=()
 FAILED=()
@@ -81,7 +84,7 @@ print('autosp.kernels imported')
 EOF"
 
 # 2. correctness: the real-size check and the CUDA unit tests compile different kernels: side by side.
-LIM=$(limit_for 150)
+LIM=$(limit_for 120)
 echo "== check + pytest (parallel, limit ${LIM}s)"
 t0=$SECONDS
 timeout --kill-after=10 "$LIM" "$PY" bench/bench_kernels.py check >"$LOGS/check.log" 2>&1 &
@@ -96,23 +99,23 @@ grep -E "ok|FAIL|PASSED|FAILED|triton ==" "$LOGS/check.log" | sed 's/^/   | /'
 tail -n 3 "$LOGS/pytest_cuda.log" | sed 's/^/   | /'
 
 # 3. quick autotuning at two lengths; other lengths use the nearest tuned bucket.
-run_step autotune_attention 90 "$PY" bench/autotune.py --kernels fwd,bwd --seqs 4096,16384 --rep-ms 25
-run_step autotune_a2a 25 "$PY" bench/autotune.py --kernels copy --s-locs 8192 --rep-ms 20
+run_step autotune_attention 60 "$PY" bench/autotune.py --kernels fwd,bwd --seqs 4096,16384 --rep-ms 25
+run_step autotune_a2a 20 "$PY" bench/autotune.py --kernels copy --s-locs 8192 --rep-ms 20
 
 # 4, 5. benchmarks (tuned configs from step 3)
-run_step a2a 35 "$PY" bench/bench_kernels.py a2a --out "$OUT/a2a_table.md"
-run_step table 90 "$PY" bench/bench_kernels.py table --out "$OUT/attention_table.md"
-run_step masked 45 "$PY" bench/bench_kernels.py masked --out "$OUT/masked_table.md"
+run_step a2a 25 "$PY" bench/bench_kernels.py a2a --out "$OUT/a2a_table.md"
+run_step table 70 "$PY" bench/bench_kernels.py table --out "$OUT/attention_table.md"
+run_step masked 30 "$PY" bench/bench_kernels.py masked --out "$OUT/masked_table.md"
 
-# 7. the whole step at the planned length: predicted against measured memory (no refusal check: CPU-only planning)
-run_step step 170 bash -c "$PY bench/plan_vs_train.py --models llama-3.2-1b --memory llama-3.2-1b=24GiB \
+# 7. the whole step on this GPU at 32K (bench/gpu_step.py): remat 1.0 / 0.5 / least, untiled, compiled, offloaded;
+#    each against its plan's peak and against eager at 0.5
+run_step whole_step 170 bash -c "$PY bench/gpu_step.py --seq 32768 --layers 4 --out $LOGS/whole_step \
+  | sed -n '/^| configuration/,\$p' > $OUT/whole_step_table.md; cat $OUT/whole_step_table.md"
+
+# 8. the whole step at the planned length: predicted against measured memory (no refusal check: CPU-only planning)
+run_step step 100 bash -c "$PY bench/plan_vs_train.py --models llama-3.2-1b --memory llama-3.2-1b=24GiB \
   --precisions bf16 --offload no --sp 1 --device cuda --no-refuse --out $LOGS/step | tail -n 4 > $OUT/step_table.md; \
   cat $OUT/step_table.md"
-if [ "$(limit_for 150)" -ge 150 ]; then      # with --offload only where its whole limit is left
-  run_step step_offload 150 bash -c "$PY bench/plan_vs_train.py --models llama-3.2-1b \
-    --memory llama-3.2-1b=24GiB --precisions bf16 --offload yes --sp 1 --device cuda --no-refuse \
-    --out $LOGS/step_offload | tail -n 1 >> $OUT/step_table.md"
-fi
 
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
 {
@@ -125,6 +128,7 @@ tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
   echo
   [ -f "$OUT/masked_table.md" ] && cat "$OUT/masked_table.md" && echo
   [ -f "$OUT/step_table.md" ] && cat "$OUT/step_table.md" && echo
+  [ -f "$OUT/whole_step_table.md" ] && cat "$OUT/whole_step_table.md" && echo
   if [ -f "$OUT/attention_table.md" ]; then
     cat "$OUT/attention_table.md"
   else

@@ -13,6 +13,7 @@ measured window opens, so neither window contains the other step's frees.
 
     .venv/bin/python bench/sp_vs_ulysses.py [--seq 4096 --steps 5 --layers 4 --hidden 256]
     .venv/bin/python bench/sp_vs_ulysses.py --compile [--compile-ulysses]   # A through inductor [B torch.compile'd]
+    .venv/bin/python bench/sp_vs_ulysses.py --compile --blocking   # and C: A with its collectives blocking
 """
 from __future__ import annotations
 
@@ -151,6 +152,19 @@ def _job(rank, world, args):
         loss.backward()
         return loss.detach(), {k: p.grad for k, p in params.items()}
 
+    # ---- C (--blocking): A with every collective blocking where it stands (passes/schedule.py off)
+    params_c = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+    step_c_fn = autosp.shard(llama_loss(model_a), mesh, memory_budget=args.memory_budget, compile=args.compile)
+
+    def step_c():
+        os.environ["AUTOSP_OVERLAP"] = "0"          # read when the step is planned, at its first call
+        try:
+            loss = step_c_fn(params_c, ids, labels)
+        finally:
+            os.environ.pop("AUTOSP_OVERLAP", None)
+        loss.backward()
+        return loss.detach(), {k: p.grad for k, p in params_c.items()}
+
     # ---- B: hand-written Ulysses on DeepSpeed's DistributedAttention
     register_ulysses_attention(sp)
     model_b = build_model(args, ATTN_NAME)
@@ -163,7 +177,7 @@ def _job(rank, world, args):
         return total, {k: p.grad for k, p in model_b.named_parameters()}
 
     def free_grads():
-        for p in params.values():
+        for p in (*params.values(), *params_c.values()):
             p.grad = None
         model_b.zero_grad(set_to_none=True)
 
@@ -178,12 +192,21 @@ def _job(rank, world, args):
     grad_rel = max(((grads_a[k] - grads_b[k]).abs().max() / grads_b[k].abs().max().clamp_min(1e-12)).item()
                    for k in grads_b)
     del grads_a, grads_b
+    sides = ("A", "B", "C") if args.blocking else ("A", "B")
+    same_c = None
+    if args.blocking:
+        free_grads()
+        loss_c, grads_c = step_c()
+        free_grads()
+        loss_a2, grads_a2 = step_a()
+        same_c = bool(torch.equal(loss_c, loss_a2) and all(torch.equal(grads_c[k], grads_a2[k]) for k in grads_c))
+        del grads_c, grads_a2
 
     # ---- timing: alternate A, B, A, B ...
-    times = {"A": [], "B": []}
-    fns = {"A": step_a, "B": step_b}
+    times = {side: [] for side in sides}
+    fns = {"A": step_a, "B": step_b, "C": step_c}
     for _ in range(args.steps):
-        for side in ("A", "B"):
+        for side in sides:
             free_grads()
             dist.barrier(sp)
             t0 = time.perf_counter()
@@ -202,7 +225,7 @@ def _job(rank, world, args):
     mem = {"A": peak("A"), "B": peak("B")}
 
     return {"rank": rank, "loss_a": loss_a.item(), "loss_b": loss_b.item(), "grad_rel": grad_rel,
-            "first_a": first_a, "first_b": first_b, "times": times, "mem": mem}
+            "first_a": first_a, "first_b": first_b, "times": times, "mem": mem, "same_c": same_c}
 
 
 def main(argv=None):
@@ -221,6 +244,8 @@ def main(argv=None):
     ap.add_argument("--memory-budget", type=float, default=None, help="autosp's memory_budget (fraction)")
     ap.add_argument("--compile", action="store_true", help="autosp's programs through inductor (compile=True)")
     ap.add_argument("--compile-ulysses", action="store_true", help="the hand-written side under torch.compile")
+    ap.add_argument("--blocking", action="store_true",
+                    help="also C: A with every collective blocking where it stands (AUTOSP_OVERLAP=0), in the rotation")
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args(argv)
     if args.intermediate is None:
@@ -248,11 +273,18 @@ def main(argv=None):
     print("|---|---|---|---|")
     print(f"| median step time, fwd+bwd ({args.steps} steps, s) | {med['A']:.3f} | {med['B']:.3f} | "
           f"{med['A'] / med['B']:.3f} |")
+    if args.blocking:
+        med["C"] = statistics.median(r0["times"]["C"])
+        print(f"| median step time, autosp with blocking collectives (C, s) | {med['C']:.3f} | | A/C "
+              f"{med['A'] / med['C']:.3f} |")
     for r in res:
         ma, mb = r["mem"]["A"] / 2**20, r["mem"]["B"] / 2**20
         print(f"| peak memory rank {r['rank']} (MiB, step allocations) | {ma:.1f} | {mb:.1f} | {ma / mb:.3f} |")
     print(f"\nstep times A: {', '.join(f'{t:.5f}' for t in r0['times']['A'])}")
     print(f"step times B: {', '.join(f'{t:.5f}' for t in r0['times']['B'])}")
+    if args.blocking:
+        print(f"step times C: {', '.join(f'{t:.5f}' for t in r0['times']['C'])}")
+        print(f"C equals A bit for bit (loss and grads, every rank): {all(r['same_c'] for r in res)}")
     print(f"total wall {wall:.0f}s")
 
 

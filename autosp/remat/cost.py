@@ -112,6 +112,9 @@ def _ring_terms(e: Eqn, device: Device) -> tuple[float, float, float, float]:
     return device.launch * r, float(int(f)), 0.0, float(sent)
 
 
+_POSTED = {"all_to_all_start": -1, "all_gather_param_start": -1, "reduce_scatter_param_start": 0}
+
+
 def eqn_terms(e: Eqn, device: Device) -> tuple[float, float, float, float]:
     """(fixed seconds, FLOPs, bytes through memory, bytes over the links) of an equation: its seconds are
     fixed + max(FLOPs / flops, memory bytes / mem_bw) + link bytes / link_bw (`_seconds`). Apart, so that
@@ -119,6 +122,12 @@ def eqn_terms(e: Eqn, device: Device) -> tuple[float, float, float, float]:
     affinely)."""
     if e.op.name in RING_OPS:
         return _ring_terms(e, device)
+    if e.op.name in _POSTED:
+        # a start (autosp.inflight) moves what the blocking collective moved: the all-to-all's receive buffer, the
+        # gathered parameter, the padded gradient; its wait and its results cost what copies cost
+        return device.latency, 0.0, 0.0, float(_bytes(e.outputs[_POSTED[e.op.name]:][:1]))
+    if e.op.name == "wait_collective":
+        return 0.0, 0.0, 0.0, 0.0
     if e.op.has(Tag.COLLECTIVE) or e.op.name in ("all_to_all", "all_reduce_sum", "all_gather_seq"):
         # the whole tensor crosses the links: a gather's output, a reduce-scatter's input
         moved = _bytes(e.inputs) if e.op.name == "reduce_scatter_param" else _bytes(e.outputs)

@@ -174,9 +174,12 @@ def parse_budget(budget) -> tuple[str, float]:
 
 def simulate_step(program: Program, device: str = "cpu", saved: bool = False) -> StepMemory:
     """The step's bytes over time on a `device` ('cpu', 'cuda'): the forward, then the backward with
-    the forward's results live. `saved`: also follow the bytes of the values the forward saves for
+    the forward's results live, as remat.runtime runs them (passes/schedule.py: the collectives' buffers
+    counted while they are in flight). `saved`: also follow the bytes of the values the forward saves for
     the backward (on the device: an offloaded one before it leaves and once it is fetched back;
     Timeline.tracked)."""
+    from autosp.passes.schedule import schedule_program
+    program = schedule_program(program)             # what remat.runtime runs: collectives started early
     host = {host_name(n) for n in program.offloaded}
     track = set(program.saved) | set(program.offloaded) if saved else None
     f = L.simulate(program.forward, host=host, device=device, track=track)

@@ -64,6 +64,8 @@ class Runner:
 
     def __init__(self, program: Program, joint: Joint, boundary: StepBoundary, compiled: bool = False,
                  device: str = "cpu"):
+        from autosp.passes.schedule import schedule_program
+        program = schedule_program(program)     # collectives started early, waited late (passes/schedule.py)
         self.program = program
         self.compiled = compiled
         if compiled:                  # inductor, at the first call of each (autosp.ir.inductor): boxed, both
@@ -125,14 +127,34 @@ class _RematStep(torch.autograd.Function):
         del gouts
         grads = run.backward(args)
         out = [None] * run.n_primals
+        posted = []
         for i, g, copy in zip(run.diff_inputs, grads, run.copy_grad):
             groups = run.sync.get(i, ())
             if groups and (copy or not g.is_contiguous()):
                 g = g.clone(memory_format=torch.contiguous_format)     # all_reduce works in place
-            for name in groups:
-                dist.all_reduce(g, group=_pg(name))
+            if groups:                # every sum posted before the first is waited: they overlap one another
+                posted.append((g, list(groups)))
             out[i] = g
+        _all_reduce_posted(posted)
         return (None, *out)
+
+
+def _all_reduce_posted(posted: list) -> None:
+    """Sum each gradient over its groups in place: every gradient's first all-reduce posted, then each waited and
+    its next group's posted (a dp x sp mesh sums over sp, then dp). On gloo the backend gets aliases, emptied once
+    waited (collectives._handed's reason)."""
+    from autosp.inflight import _handles
+    while posted:
+        works = []
+        for g, groups in posted:
+            pg = _pg(groups.pop(0))
+            (h,) = _handles(pg, g)
+            works.append((dist.all_reduce(h, group=pg, async_op=True), h, g))
+        for w, h, g in works:
+            w.wait()
+            if h is not g:
+                h.set_()
+        posted = [(g, groups) for g, groups in posted if groups]
 
 
 def _shared_outputs(graph) -> list[bool]:

@@ -126,6 +126,9 @@ def explain_model(step, *, full: bool = False, png: str | None = None) -> str:
               f"({len(recomputed) - n_a2a} recomputed)", "", str(plan), ""]
     budget_bytes = plan.budget_bytes
     curves = [("no remat", *_timeline(none_prog, device)), (f"plan (budget {budget})", *_timeline(prog, device))]
+    from autosp.passes.schedule import overlap_summary
+    from autosp.remat.cost import device_for
+    lines += overlap_summary(prog, device_for(device, step.host_bandwidth)).splitlines()
     lines.append(f"per-rank peak: {fmt(none_plan.peak_bytes)} without remat, {fmt(plan.peak_bytes)} with the plan "
                  f"({plan.peak_bytes / none_plan.peak_bytes:.2f}x); recompute {plan.recompute_flops:.3g} FLOPs")
     if png:
