@@ -1,13 +1,14 @@
 """The command line: bad input, a real 2-rank run, faults, a bit-exact resume, plan and explain.
 
 Runs are real: `autosp train` launches 2 gloo ranks through torch.distributed.run, on a 1-layer model at 64
-tokens, and each run is used by several checks. One of them (a rank killed) is `python -m autosp` in a
+tokens, and each run is used by several checks. One run (a rank killed) is `python -m autosp` in a
 process of its own, as a user runs it; the others call the same `cli.main` in this process (`launched`),
 which spares each launch a fresh interpreter's imports (5-7 s of its 15-20 s on 2 cores): their ranks are
 torch.distributed.run's processes all the same. The interrupted save and its bit-exact resume make the
 default run (model state sharded) the other runs are held to; `--no-shard-params`, `--optimizer-offload`,
-`--grad-accum` and 4 ranks take six more short launches; two more (the tiny preset at 48 tokens) hold bf16
-at `--sp 2` to `--sp 1`. Resharded checkpoints are read back whole on rank pools (tests/dist.py).
+`--grad-accum` and 4 ranks take seven more short launches, the command `autosp plan` answers one more, and
+two (the tiny preset at 48 tokens) hold bf16 at `--sp 2` to `--sp 1`. Resharded checkpoints are read back
+whole on rank pools (tests/dist.py).
 """
 from __future__ import annotations
 
@@ -368,7 +369,7 @@ def close(got, want, rtol=1e-5):
 def replicated_run(model, runs):
     out = runs / "replicated"
     rc, stdout, stderr, _ = launched(train_args(model, out, "--steps", "4", "--save-every", "2", "--timeout", "60",
-                                              "--no-shard-params"))
+                                                "--no-shard-params"))
     assert rc == 0, stderr
     return out, stdout
 
