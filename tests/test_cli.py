@@ -1,19 +1,25 @@
 """The command line: bad input, a real 2-rank run, faults, a bit-exact resume, plan and explain.
 
-Runs are real: `python -m autosp train` launches 2 gloo ranks through torch.distributed.run. They are
-few (three launches, 15-20 s each on 2 cores), on a 1-layer model at 64 tokens, and each one is
-used by several checks; two more (the tiny preset at 48 tokens, 3 steps) hold `--sp 2` to `--sp 1`.
-Model state (sharded by default, `--no-shard-params`, `--optimizer-offload`) takes seven more short
-launches of the 1-layer model, one of them on 4 ranks, and resharded checkpoints are read back whole
-on rank pools (tests/dist.py).
+Runs are real: `autosp train` launches 2 gloo ranks through torch.distributed.run, on a 1-layer model at 64
+tokens, and each run is used by several checks. One run (a rank killed) is `python -m autosp` in a
+process of its own, as a user runs it; the others call the same `cli.main` in this process (`launched`),
+which spares each launch a fresh interpreter's imports (5-7 s of its 15-20 s on 2 cores): their ranks are
+torch.distributed.run's processes all the same. The interrupted save and its bit-exact resume make the
+default run (model state sharded) the other runs are held to; `--no-shard-params`, `--optimizer-offload`,
+`--grad-accum` and 4 ranks take seven more short launches, the command `autosp plan` answers one more, and
+two (the tiny preset at 48 tokens) hold bf16 at `--sp 2` to `--sp 1`. Resharded checkpoints are read back
+whole on rank pools (tests/dist.py).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -50,18 +56,55 @@ def autosp(args, env=None, timeout=240):
     return p.returncode, p.stdout, p.stderr, time.perf_counter() - t0
 
 
-def autosp_together(runs: list[list[str]], timeout=240):
-    """Several `python -m autosp ARGS` at once (their imports and launchers overlap on the cores); (exit code,
-    stdout, stderr) of each, in order."""
-    env = {k: v for k, v in os.environ.items() if k != "AUTOSP_FAULT"}
-    env.update(PYTHONPATH=ROOT)
-    procs = [subprocess.Popen([sys.executable, "-m", "autosp", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env, cwd=ROOT) for args in runs]
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=timeout)
-        out.append((p.returncode, stdout, stderr))
-    return out
+# torch's elastic agent installs handlers for these in the process that launches (here: pytest's)
+_AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+def launched(args, env=None, timeout=240):
+    """`autosp ARGS` through this process's `cli.main`, as `python -m autosp ARGS` runs it but without a fresh
+    interpreter: the launcher's imports are this process's already. Its ranks are real processes of
+    torch.distributed.run. What the launcher and its ranks write to stdout and stderr is read at the file
+    descriptors; the environment (the launcher sets AUTOSP_LAUNCHED, OMP_NUM_THREADS), the working folder and
+    the signal handlers are put back afterwards. (exit code, stdout, stderr, seconds), as `autosp` answers."""
+    environ, cwd = dict(os.environ), os.getcwd()
+    handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS}
+
+    def too_long(*_):
+        raise TimeoutError(f"autosp {' '.join(args)} ran past {timeout} s")
+
+    with tempfile.TemporaryDirectory() as folder:
+        paths = [os.path.join(folder, name) for name in ("stdout", "stderr")]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        kept = [os.dup(1), os.dup(2)]
+        files = [open(path, "w") for path in paths]
+        alarm = signal.signal(signal.SIGALRM, too_long)
+        try:
+            os.environ.pop("AUTOSP_FAULT", None)
+            os.environ.update(PYTHONPATH=ROOT, **(env or {}))
+            os.chdir(ROOT)
+            for fd, f in zip((1, 2), files):
+                os.dup2(f.fileno(), fd)
+            signal.alarm(timeout)
+            t0 = time.perf_counter()
+            with contextlib.redirect_stdout(files[0]), contextlib.redirect_stderr(files[1]):
+                code = main(list(args))
+            secs = time.perf_counter() - t0
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, alarm)
+            for f in files:
+                f.close()
+            for fd, k in zip((1, 2), kept):
+                os.dup2(k, fd)
+                os.close(k)
+            os.chdir(cwd)
+            os.environ.clear()
+            os.environ.update(environ)
+            for s, h in handlers.items():
+                signal.signal(s, h)
+        stdout, stderr = (open(path).read() for path in paths)
+    return code, stdout, stderr, secs
 
 
 def losses(out) -> list[float]:
@@ -203,21 +246,38 @@ def test_a_killed_rank_stops_the_run_and_is_named(model, runs):
     assert written(out) == ["metrics.jsonl"]
 
 
-def test_interrupted_save_keeps_the_last_checkpoint_and_resume_is_bit_exact(model, runs):
+@pytest.fixture(scope="module")
+def sharded_run(model, runs):
+    """The default at 2 ranks (model state sharded): 4 steps, checkpoints at 2 and 4, reached the hard way. Rank 1
+    raises half-way through writing checkpoint 4 (its data written, no metadata, no rename); --resume trains steps
+    3-4 again from step-2. What the failed launch said and left, and the resume's answer, are kept for
+    test_interrupted_save_keeps_the_last_checkpoint_and_resume_is_bit_exact, which holds the resumed run to the
+    uninterrupted losses bit for bit: so the folder is the default run the other checks compare with, with one
+    launch fewer than a run of its own. (folder, the resume's stdout, what the test checks)"""
     out = runs / "saved"
     args = train_args(model, out, "--steps", "4", "--save-every", "2", "--timeout", "20")
-    # rank 1 raises half-way through writing checkpoint 4 (its data written, no metadata, no rename)
-    rc, _, stderr, secs = autosp(args, env={"AUTOSP_FAULT": "1:4:save-raise"})
-    assert rc != 0
+    rc, _, stderr, _ = launched(args, env={"AUTOSP_FAULT": "1:4:save-raise"})
+    failed = dict(rc=rc, stderr=stderr, written=written(out), alive=processes_mentioning(str(out)),
+                  losses=losses(out))       # steps 1-4 ran straight through before the failed save
+    resumed = launched(args + ["--resume"])
+    assert resumed[0] == 0, resumed[2]
+    return out, resumed[1], dict(failed=failed, resumed=resumed)
+
+
+def test_interrupted_save_keeps_the_last_checkpoint_and_resume_is_bit_exact(sharded_run):
+    out, _, told = sharded_run
+    failed = told["failed"]
+    assert failed["rc"] != 0
+    stderr = failed["stderr"]
     first = next(line for line in stderr.splitlines() if line.startswith("autosp train: "))
     assert first.startswith("autosp train: rank 1 ") and "InjectedFault" in first, stderr
     assert f"Last complete checkpoint: {out / 'step-2'}" in stderr
-    assert written(out) == ["metrics.jsonl", "step-2", "tmp-step-4"]
-    assert not processes_mentioning(str(out))
-    uninterrupted = losses(out)                  # steps 1-4 ran straight through before the failed save
+    assert failed["written"] == ["metrics.jsonl", "step-2", "tmp-step-4"]
+    assert not failed["alive"]
+    uninterrupted = failed["losses"]
     assert len(uninterrupted) == 4
 
-    rc, stdout, stderr, _ = autosp(args + ["--resume"])
+    rc, stdout, stderr, _ = told["resumed"]
     assert rc == 0, stderr
     assert f"resumed from {out / 'step-2'} (step 2)" in stdout and "trained steps 3-4" in stdout
     assert "model state: sharded over 2 ranks" in stdout        # the default: parameters and moments as DTensors
@@ -226,11 +286,11 @@ def test_interrupted_save_keeps_the_last_checkpoint_and_resume_is_bit_exact(mode
     assert os.path.isfile(out / "step-4" / ".metadata")
 
 
-def test_the_same_seed_gives_the_same_losses(runs):
+def test_the_same_seed_gives_the_same_losses(runs, sharded_run):
     """The two runs above start from the same seed: their first two losses agree to the bit."""
-    if not all((runs / name / "metrics.jsonl").is_file() for name in ("killed", "saved")):
+    if not (runs / "killed" / "metrics.jsonl").is_file():
         pytest.skip("compares the runs of the two tests above (run the whole file)")
-    assert losses(runs / "killed") == losses(runs / "saved")[:2]
+    assert losses(runs / "killed") == losses(sharded_run[0])[:2]
 
 
 
@@ -250,7 +310,7 @@ def test_train_runs_what_plan_promises_within_its_memory(model, tmp_path, capsys
     # the ILP row's length held to train's own verdict: this one fits, one granule (sp x 64) more does not
     assert f"{length:,} tokens fit" in stdout and f"{length + 128:,} do not" in stdout, stdout
     out = tmp_path / "run"
-    rc, stdout, stderr, _ = autosp(argv + ["--steps", "3", "--out", str(out), "--timeout", "60"])
+    rc, stdout, stderr, _ = launched(argv + ["--steps", "3", "--out", str(out), "--timeout", "60"])
     assert rc == 0, stderr
     assert "predicted peak per rank:" in stdout and "USDT" not in stdout + stderr, stdout + stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -280,7 +340,8 @@ def test_bf16_sp2_follows_bf16_sp1(tmp_path):
     resolution, 2^-8 relative (measured: 0, 9e-6, 1.3e-5, 6.9e-5, 4.2e-4)."""
     runs = [["train", "--model", "tiny", "--sp", str(sp), "--seq-len", "48", "--batch", "2", "--steps", "5",
              "--precision", "bf16", "--timeout", "60", "--out", str(tmp_path / f"sp{sp}")] for sp in (1, 2)]
-    for rc, stdout, stderr in autosp_together(runs):
+    for run in runs:
+        rc, stdout, stderr, _ = launched(run)
         assert rc == 0, stderr
         assert ", bf16;" in stdout, stdout
     got = {sp: losses(tmp_path / f"sp{sp}") for sp in (1, 2)}
@@ -305,25 +366,16 @@ def close(got, want, rtol=1e-5):
 
 
 @pytest.fixture(scope="module")
-def sharded_run(model, runs):
-    """The default at 2 ranks: model state sharded. 4 steps, checkpoints at 2 and 4; (folder, stdout)."""
-    out = runs / "sharded"
-    rc, stdout, stderr, _ = autosp(train_args(model, out, "--steps", "4", "--save-every", "2", "--timeout", "60"))
-    assert rc == 0, stderr
-    return out, stdout
-
-
-@pytest.fixture(scope="module")
 def replicated_run(model, runs):
     out = runs / "replicated"
-    rc, stdout, stderr, _ = autosp(train_args(model, out, "--steps", "4", "--save-every", "2", "--timeout", "60",
-                                              "--no-shard-params"))
+    rc, stdout, stderr, _ = launched(train_args(model, out, "--steps", "4", "--save-every", "2", "--timeout", "60",
+                                                "--no-shard-params"))
     assert rc == 0, stderr
     return out, stdout
 
 
 def test_sharded_state_trains_what_replicated_state_trains(sharded_run, replicated_run):
-    (sharded, told), (replicated, told_replicated) = sharded_run, replicated_run
+    (sharded, told, _), (replicated, told_replicated) = sharded_run, replicated_run
     # 1-layer model: 69,952 fp32 parameters, x 4 (parameters, gradients, 2 moments), halved by sharding
     assert "model state: sharded over 2 ranks (Shard(0), FSDP2's layout); 0.53 MiB per rank" in told, told
     assert "model state: replicated on every rank (--no-shard-params); 1.07 MiB per rank" in told_replicated
@@ -338,14 +390,14 @@ def test_optimizer_offload_trains_what_the_default_run_trains_and_resumes(model,
         return train_args(model, out, "--steps", "4", "--save-every", "2", "--timeout", "60", "--optimizer-offload",
                           *extra)
     out = runs / "offload"
-    rc, stdout, stderr, _ = autosp(args(out))
+    rc, stdout, stderr, _ = launched(args(out))
     assert rc == 0, stderr
     assert ("0.27 MiB per rank on cpu (parameters + gradients), 0.53 MiB in host memory (--optimizer-offload"
             in stdout), stdout
     want = losses(sharded_run[0])
     assert losses(out) == want
     again = resume_copy(out, runs / "offload-resumed", 2)
-    rc, stdout, stderr, _ = autosp(args(again, "--resume"))
+    rc, stdout, stderr, _ = launched(args(again, "--resume"))
     assert rc == 0, stderr
     assert "trained steps 3-4" in stdout and losses(again) == want
 
@@ -355,7 +407,7 @@ def test_gradients_accumulated_over_micro_steps_are_the_whole_batchs(model, runs
     tokens: the same step as the whole batch's (fp32, 1e-5; --sp 2 against --sp 1 on one device is
     test_walkthrough's)."""
     out = runs / "accumulated"
-    rc, stdout, stderr, _ = autosp(train_args(model, out, "--steps", "4", "--timeout", "60", "--grad-accum", "2"))
+    rc, stdout, stderr, _ = launched(train_args(model, out, "--steps", "4", "--timeout", "60", "--grad-accum", "2"))
     assert rc == 0, stderr
     assert "global batch 2 x 64 tokens in 2 micro-steps" in stdout, stdout
     got, want = losses(out), losses(sharded_run[0])
@@ -364,7 +416,7 @@ def test_gradients_accumulated_over_micro_steps_are_the_whole_batchs(model, runs
 
 def test_a_replicated_checkpoint_resumes_sharded(model, runs, replicated_run):
     out = resume_copy(replicated_run[0], runs / "replicated-to-sharded", 2)
-    rc, stdout, stderr, _ = autosp(train_args(model, out, "--steps", "4", "--timeout", "60", "--resume"))
+    rc, stdout, stderr, _ = launched(train_args(model, out, "--steps", "4", "--timeout", "60", "--resume"))
     assert rc == 0, stderr
     assert "model state: sharded over 2 ranks" in stdout and "trained steps 3-4" in stdout
     got, want = losses(out), losses(replicated_run[0])
@@ -375,11 +427,11 @@ def test_a_checkpoint_of_4_ranks_resumes_on_2(model, runs):
     """dp 2 x sp 2 writes its shards; sp 2 reads other rows of them (DCP reshards) and trains on."""
     four = runs / "four-ranks"
     args = ["--steps", "4", "--save-every", "2", "--timeout", "60"]
-    rc, stdout, stderr, _ = autosp(train_args(model, four, "--dp", "2", "--sp", "2", *args))
+    rc, stdout, stderr, _ = launched(train_args(model, four, "--dp", "2", "--sp", "2", *args))
     assert rc == 0, stderr
     assert "ranks 4 = dp 2 x sp 2" in stdout and "model state: sharded over 4 ranks" in stdout
     two = resume_copy(four, runs / "four-to-two", 2)
-    rc, stdout, stderr, _ = autosp(train_args(model, two, "--sp", "2", *args, "--resume"))
+    rc, stdout, stderr, _ = launched(train_args(model, two, "--sp", "2", *args, "--resume"))
     assert rc == 0, stderr
     assert "model state: sharded over 2 ranks" in stdout and "trained steps 3-4" in stdout
     got, want = losses(two), losses(four)

@@ -1,7 +1,9 @@
 """README's walkthrough "Extend a model's context", run as a user runs it: a small Llama and its tokenizer made from
 text that ships with Python, trained on JSONL documents at 4x its positions with YaRN at sp 2 (and at sp 1 beside
 it: packed documents are exact against one device), exported to a Hugging Face folder, evaluated (loss by
-position) and passkey-tested; then the checks on what each command wrote."""
+position) and passkey-tested; then the checks on what each command wrote. The asset script runs in a process of its
+own; the `autosp` commands run through `cli.main` in this one, one after the other, as `autosp` runs them
+(tests/test_cli.launched: the ranks are real processes, the launcher's imports are this process's)."""
 from __future__ import annotations
 
 import json
@@ -13,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_cli import ROOT, autosp_together, losses
+from tests.test_cli import ROOT, launched, losses
 
 
 @pytest.fixture(scope="module")
 def walk(tmp_path_factory):
     """The walkthrough's commands, once: (assets folder, run at sp 2, run at sp 1, eval output, cache folder, the
-    commands' (exit code, stdout, stderr))."""
+    commands' (exit code, stdout, stderr, seconds))."""
     base = tmp_path_factory.mktemp("walk")
     demo, cache = base / "demo", base / "cache"
     p = subprocess.run([sys.executable, "examples/extend_context.py", "--out", str(demo), "--quick"], cwd=ROOT,
@@ -29,17 +31,17 @@ def walk(tmp_path_factory):
               "--seq-len", "1024", "--rope-scaling", "yarn:4", "--batch", "2", "--steps", "3", "--timeout", "120",
               "--eval-every", "3"]         # the same held-out part on both sides: the same training order
     runs = {sp: base / f"run-sp{sp}" for sp in (1, 2)}
-    trained = autosp_together([["train", *common, "--sp", "2", "--export", "--out", str(runs[2])],
-                               ["train", *common, "--sp", "1", "--out", str(runs[1])]], timeout=400)
-    for rc, _, stderr in trained:
+    trained = [launched(["train", *common, "--sp", "2", "--export", "--out", str(runs[2])], timeout=400),
+               launched(["train", *common, "--sp", "1", "--out", str(runs[1])], timeout=400)]
+    for rc, _, stderr, _ in trained:
         assert rc == 0, stderr
     out = base / "eval"
-    evals = autosp_together([
-        ["eval", "--model", str(runs[2]), "--data", str(demo / "docs.jsonl"), "--cache-dir", str(cache),
-         "--seq-len", "1024", "--sp", "2", "--batches", "2", "--out", str(out), "--timeout", "120"],
-        ["eval", "--model", str(runs[2] / "hf"), "--passkey", "--lengths", "256,1024", "--depths", "0,0.5,1",
-         "--samples", "2", "--sp", "2", "--out", str(out), "--timeout", "120"]], timeout=400)
-    for rc, _, stderr in evals:
+    evals = [
+        launched(["eval", "--model", str(runs[2]), "--data", str(demo / "docs.jsonl"), "--cache-dir", str(cache),
+                  "--seq-len", "1024", "--sp", "2", "--batches", "2", "--out", str(out), "--timeout", "120"], timeout=400),
+        launched(["eval", "--model", str(runs[2] / "hf"), "--passkey", "--lengths", "256,1024", "--depths", "0,0.5,1",
+                  "--samples", "2", "--sp", "2", "--out", str(out), "--timeout", "120"], timeout=400)]
+    for rc, _, stderr, _ in evals:
         assert rc == 0, stderr
     return demo, runs, out, cache, trained, evals
 
