@@ -233,42 +233,44 @@ def all_to_all(xs: list[Tensor], scatter_dim: int, gather_dim: int, group_name: 
     for Q, K and V in one buffer; (2, 1) is the inverse after attention.
     """
     p = group_size(group_name)
-    ulysses = all(x.ndim == 4 for x in xs) and (scatter_dim, gather_dim) in ((1, 2), (2, 1))
-    if ulysses and (scatter_dim == 1 or len(xs) == 1):
-        return _ulysses_all_to_all(xs, scatter_dim, p, group_name)
-    send = a2a_pack(xs, scatter_dim, p)
+    send = a2a_send(xs, scatter_dim, p)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=_pg(group_name))
-    outs = a2a_unpack(recv, [list(x.shape) for x in xs], scatter_dim, gather_dim, p)
+    outs = a2a_outputs(recv, [list(x.shape) for x in xs], scatter_dim, gather_dim, p)
     _release(send, recv, keep=list(xs) + outs)
     return outs
 
 
-def _ulysses_all_to_all(xs: list[Tensor], scatter_dim: int, p: int, group_name: str) -> list[Tensor]:
-    """Attention's layouts through autosp.kernels: the pack writes the send buffer straight from
-    [b, h, s/P, d] (any strides), the unpack writes attention's layout: no permute().contiguous().
-    Triton on CUDA/ROCm, torch elsewhere."""
+def _ulysses_layout(shapes: list, scatter_dim: int, gather_dim: int) -> bool:
+    """Attention's layouts, which autosp.kernels packs and unpacks fused: Q, K, V [b, h, s/P, d] in one buffer
+    (scatter 1, gather 2), or attention's output back (2, 1)."""
+    return (all(len(s) == 4 for s in shapes) and (scatter_dim, gather_dim) in ((1, 2), (2, 1))
+            and (scatter_dim == 1 or len(shapes) == 1))
+
+
+def a2a_send(xs: list[Tensor], scatter_dim: int, p: int) -> Tensor:
+    """all_to_all's send buffer, rank-major. Attention's layouts through autosp.kernels (the pack writes it
+    straight from [b, h, s/P, d], any strides: no permute().contiguous(); Triton on CUDA/ROCm, torch elsewhere)."""
     from autosp import kernels
-    if scatter_dim == 1:                          # b h (sp s) d -> b (sp h) s d, Q K V in one buffer
-        b, _, s_loc, d = xs[0].shape
-        send = kernels.ulysses_pack(xs, p)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=_pg(group_name))
-        outs = kernels.ulysses_unpack(recv, [x.shape[1] for x in xs], b, s_loc, d, p)
-        outs = [o.clone() if o.untyped_storage().data_ptr() == recv.untyped_storage().data_ptr() else o
-                for o in outs]
-        _release(send, recv, keep=list(xs) + outs)
-        return outs
-    (o,) = xs                                     # b (sp h) s d -> b h (sp s) d, after attention
-    b, h_loc, s, d = o.shape
-    send = kernels.ulysses_pack_out(o, p)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=_pg(group_name))
-    out = kernels.ulysses_unpack_out(recv, b, h_loc, s // p, d, p)
-    if out.untyped_storage().data_ptr() == recv.untyped_storage().data_ptr():
-        out = out.clone()
-    _release(send, recv, keep=[o, out])
-    return [out]
+    if not _ulysses_layout([x.shape for x in xs], scatter_dim, 3 - scatter_dim):
+        return a2a_pack(xs, scatter_dim, p)
+    return kernels.ulysses_pack(xs, p) if scatter_dim == 1 else kernels.ulysses_pack_out(xs[0], p)
+
+
+def a2a_outputs(recv: Tensor, shapes: list[list[int]], scatter_dim: int, gather_dim: int, p: int) -> list[Tensor]:
+    """all_to_all's outputs from its receive buffer (`shapes`: its inputs'), none a view of it: attention's layouts
+    through autosp.kernels (the unpack writes attention's layout), the others by a2a_unpack."""
+    from autosp import kernels
+    if not _ulysses_layout(shapes, scatter_dim, gather_dim):
+        outs = a2a_unpack(recv, shapes, scatter_dim, gather_dim, p)
+    elif scatter_dim == 1:                        # b h (sp s) d -> b (sp h) s d, Q K V in one buffer
+        b, _, s_loc, d = shapes[0]
+        outs = kernels.ulysses_unpack(recv, [s[1] for s in shapes], b, s_loc, d, p)
+    else:                                         # b (sp h) s d -> b h (sp s) d, after attention
+        b, h_loc, s, d = shapes[0]
+        outs = [kernels.ulysses_unpack_out(recv, b, h_loc, s // p, d, p)]
+    key = recv.untyped_storage().data_ptr()
+    return [o.clone() if o.untyped_storage().data_ptr() == key else o for o in outs]
 
 
 @all_to_all.register_fake

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from autosp.collectives import (_REDUCE_SCATTER, _a2a_shape, _pg, a2a_pack, a2a_unpack, group_rank, group_size)
+from autosp.collectives import (_REDUCE_SCATTER, _a2a_shape, _pg, a2a_outputs, a2a_send, group_rank, group_size)
 
 _POSTED: dict[int, tuple] = {}       # storage of the landing buffer -> (work, handles, finish)
 
@@ -66,21 +66,11 @@ def _(bufs):
 
 # ---------------------------------------------------------------- all_to_all
 
-def _ulysses(xs_ndim: list[int], scatter_dim: int, gather_dim: int, n: int) -> bool:
-    """The layouts the fused kernels of autosp.kernels pack (as autosp.collectives.all_to_all chooses)."""
-    return (all(d == 4 for d in xs_ndim) and (scatter_dim, gather_dim) in ((1, 2), (2, 1))
-            and (scatter_dim == 1 or n == 1))
-
-
 @torch.library.custom_op("autosp::all_to_all_start", mutates_args=())
 def all_to_all_start(xs: list[Tensor], scatter_dim: int, gather_dim: int, group_name: str) -> list[Tensor]:
     """autosp.collectives.all_to_all's send buffer packed and posted: [send, recv]."""
-    from autosp import kernels
     p, pg = group_size(group_name), _pg(group_name)
-    if _ulysses([x.ndim for x in xs], scatter_dim, gather_dim, len(xs)):
-        send = kernels.ulysses_pack(xs, p) if scatter_dim == 1 else kernels.ulysses_pack_out(xs[0], p)
-    else:
-        send = a2a_pack(xs, scatter_dim, p)
+    send = a2a_send(xs, scatter_dim, p)
     if any(_key(send) == _key(x) for x in xs):
         send = send.clone()           # an op's outputs may not alias its inputs
     recv = torch.empty_like(send)
@@ -99,19 +89,8 @@ def _(xs, scatter_dim, gather_dim, group_name):
 def all_to_all_unpack(recv: Tensor, shapes: list[int], ndim: int, scatter_dim: int, gather_dim: int,
                       group_name: str) -> list[Tensor]:
     """The outputs of autosp.collectives.all_to_all from its receive buffer; `shapes`: its inputs' shapes, flat."""
-    from autosp import kernels
-    p = group_size(group_name)
     xs = [shapes[i:i + ndim] for i in range(0, len(shapes), ndim)]
-    if _ulysses([len(s) for s in xs], scatter_dim, gather_dim, len(xs)):
-        if scatter_dim == 1:
-            b, _, s_loc, d = xs[0]
-            outs = kernels.ulysses_unpack(recv, [s[1] for s in xs], b, s_loc, d, p)
-        else:
-            b, h_loc, s, d = xs[0]
-            outs = [kernels.ulysses_unpack_out(recv, b, h_loc, s // p, d, p)]
-    else:
-        outs = a2a_unpack(recv, xs, scatter_dim, gather_dim, p)
-    return [o.clone() if _key(o) == _key(recv) else o for o in outs]
+    return a2a_outputs(recv, xs, scatter_dim, gather_dim, group_size(group_name))
 
 
 @all_to_all_unpack.register_fake

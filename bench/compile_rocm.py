@@ -4,6 +4,8 @@ needed; report the VGPRs, spills, scratch and LDS of each kernel and config.
     .venv/bin/python bench/compile_rocm.py                   # the ROCm defaults (config.default_config(hip=True))
     .venv/bin/python bench/compile_rocm.py sweep             # candidate tilings of the flash kernels, both targets
     .venv/bin/python bench/compile_rocm.py --target gfx942   # one target
+    .venv/bin/python bench/compile_rocm.py one --target gfx942   # one config of each kernel (the suite's check):
+                                                             # exit status 1 if any spills
 
 How: as bench/compile_sm90.py, with Triton's AMD backend. The real launchers run on meta tensors shaped like a
 training call (b 1, 32 query / 8 KV heads, s 8192) with the kernels replaced by recorders; each launch is compiled
@@ -98,7 +100,7 @@ def report(target, dtype, d, causal, fwd, bwd, terms=None) -> list[tuple[str, di
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="?", default="defaults", choices=["defaults", "sweep"])
+    p.add_argument("what", nargs="?", default="defaults", choices=["defaults", "sweep", "one"])
     p.add_argument("--target", action="append", choices=sorted(TARGETS))
     a = p.parse_args()
     targets = a.target or ["gfx942", "gfx90a"]
@@ -107,7 +109,19 @@ def main() -> None:
     worst = 0
     for name in targets:
         target = TARGETS[name]
-        if a.what == "defaults":
+        if a.what == "one":              # fp16 d64: causal forward and backward, one mask's, the layout copy
+            t0 = time.time()
+            fwd, bwd = hip_defaults(torch.float16, 64)
+            for mask, terms in (("causal", None), ("docs", MASKS["docs"])):
+                for label, r in report(target, torch.float16, 64, terms is None or terms.causal, fwd, bwd, terms):
+                    worst = max(worst, r["spill"])
+                    print(f"{name} float16 d64 {mask:6s} {label:4s} {fmt(r)}", flush=True)
+            for fn, args, kwargs in copy_launch():
+                r = resources(compile_for(target, fn, args, kwargs))
+                worst = max(worst, r["spill"])
+                print(f"{name} bfloat16 layout copy    {fmt(r)}", flush=True)
+            print(f"{name}: compiled in {time.time() - t0:.0f} s", flush=True)
+        elif a.what == "defaults":
             t0 = time.time()
             for dt in (torch.bfloat16, torch.float16, torch.float32):
                 for d in (64, 128):
@@ -137,8 +151,10 @@ def main() -> None:
                 got = launches(torch.bfloat16, 128, True, fwd0, bwd)
                 r1, r2 = (resources(compile_for(target, *x)) for x in got[1:])
                 print(f"{name} bwd dkdv {m1}x{n1} / dq {n1}x{m1} warps {w}: {fmt(r1)} | {fmt(r2)}", flush=True)
-    if a.what == "defaults":
+    if a.what != "sweep":
         print(f"most VGPRs spilled by any default: {worst}", flush=True)
+    if a.what == "one" and worst != 0:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ measured window opens, so neither window contains the other step's frees.
     .venv/bin/python bench/sp_vs_ulysses.py [--seq 4096 --steps 5 --layers 4 --hidden 256]
     .venv/bin/python bench/sp_vs_ulysses.py --compile [--compile-ulysses]   # A through inductor [B torch.compile'd]
     .venv/bin/python bench/sp_vs_ulysses.py --compile --blocking   # and C: A with its collectives blocking
+    .venv/bin/python bench/sp_vs_ulysses.py --compile --eager      # and D: autosp eager (compiled A against it)
 """
 from __future__ import annotations
 
@@ -165,6 +166,15 @@ def _job(rank, world, args):
         loss.backward()
         return loss.detach(), {k: p.grad for k, p in params_c.items()}
 
+    # ---- D (--eager): autosp as A, not compiled (A's compile against it)
+    params_d = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+    step_d_fn = autosp.shard(llama_loss(model_a), mesh, memory_budget=args.memory_budget)
+
+    def step_d():
+        loss = step_d_fn(params_d, ids, labels)
+        loss.backward()
+        return loss.detach(), {k: p.grad for k, p in params_d.items()}
+
     # ---- B: hand-written Ulysses on DeepSpeed's DistributedAttention
     register_ulysses_attention(sp)
     model_b = build_model(args, ATTN_NAME)
@@ -177,7 +187,7 @@ def _job(rank, world, args):
         return total, {k: p.grad for k, p in model_b.named_parameters()}
 
     def free_grads():
-        for p in (*params.values(), *params_c.values()):
+        for p in (*params.values(), *params_c.values(), *params_d.values()):
             p.grad = None
         model_b.zero_grad(set_to_none=True)
 
@@ -192,8 +202,11 @@ def _job(rank, world, args):
     grad_rel = max(((grads_a[k] - grads_b[k]).abs().max() / grads_b[k].abs().max().clamp_min(1e-12)).item()
                    for k in grads_b)
     del grads_a, grads_b
-    sides = ("A", "B", "C") if args.blocking else ("A", "B")
+    sides = ("A", "B") + (("C",) if args.blocking else ()) + (("D",) if args.eager else ())
     same_c = None
+    if args.eager:
+        free_grads()
+        step_d()
     if args.blocking:
         free_grads()
         loss_c, grads_c = step_c()
@@ -204,7 +217,7 @@ def _job(rank, world, args):
 
     # ---- timing: alternate A, B, A, B ...
     times = {side: [] for side in sides}
-    fns = {"A": step_a, "B": step_b, "C": step_c}
+    fns = {"A": step_a, "B": step_b, "C": step_c, "D": step_d}
     for _ in range(args.steps):
         for side in sides:
             free_grads()
@@ -246,6 +259,8 @@ def main(argv=None):
     ap.add_argument("--compile-ulysses", action="store_true", help="the hand-written side under torch.compile")
     ap.add_argument("--blocking", action="store_true",
                     help="also C: A with every collective blocking where it stands (AUTOSP_OVERLAP=0), in the rotation")
+    ap.add_argument("--eager", action="store_true",
+                    help="also D: autosp as A without compile=True, in the rotation (with --compile: A's gain)")
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args(argv)
     if args.intermediate is None:
@@ -277,6 +292,10 @@ def main(argv=None):
         med["C"] = statistics.median(r0["times"]["C"])
         print(f"| median step time, autosp with blocking collectives (C, s) | {med['C']:.3f} | | A/C "
               f"{med['A'] / med['C']:.3f} |")
+    if args.eager:
+        med["D"] = statistics.median(r0["times"]["D"])
+        print(f"| median step time, autosp eager (D, s) | {med['D']:.3f} | | A/D "
+              f"{med['A'] / med['D']:.3f} |")
     for r in res:
         ma, mb = r["mem"]["A"] / 2**20, r["mem"]["B"] / 2**20
         print(f"| peak memory rank {r['rank']} (MiB, step allocations) | {ma:.1f} | {mb:.1f} | {ma / mb:.3f} |")
@@ -285,6 +304,8 @@ def main(argv=None):
     if args.blocking:
         print(f"step times C: {', '.join(f'{t:.5f}' for t in r0['times']['C'])}")
         print(f"C equals A bit for bit (loss and grads, every rank): {all(r['same_c'] for r in res)}")
+    if args.eager:
+        print(f"step times D: {', '.join(f'{t:.5f}' for t in r0['times']['D'])}")
     print(f"total wall {wall:.0f}s")
 
 

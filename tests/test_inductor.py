@@ -1,13 +1,15 @@
 """compile=True: each rank's programs through inductor, exact against one device, the remat plan kept.
 
-One 2-rank job (a 2-layer Llama-style model, s=256) compiles the step at budgets 1.0, 0.5 and the least the
-planner accepts, and with offload and through autosp.compile: fp32 loss and gradients against the single device on
-every rank, and the profiler's peak against plan.peak_bytes. The programs are compiled in segments cut where
+One 2-rank job (a 2-layer Llama-style model, s=256) compiles the step at budgets 1.0, 0.5 (with offload to the
+host) and the least the planner accepts, and through autosp.compile: fp32 loss and gradients against the single
+device on every rank, and the profiler's peak against plan.peak_bytes. The programs are compiled in segments cut where
 inductor's fusion could take them above the plan (autosp.remat.runtime.memory_cuts); what stays is inductor's own:
-the loss's fused reductions keep a few values per position that eager's ops do not, and its decompositions make
-intermediates eager's ops never hold. Measured: +0.08 % at 1.0, +0.16 % at 0.5, +2.2 % at the least budget (at
-s=512: +0.08 %, +0.16 %, and 8 B at the least). Unsegmented, two fused multiplies of the MLP's backward held an
-input eager frees: +8.8 % at 0.5 (s=512). The bound held here is the measurement's: 3 % over, 5 % under.
+the loss's fused reductions keep a few values per position that eager's ops do not (+9 B a position). Measured:
++0.08 % at 1.0, +0.16 % at 0.5 (offloading), +8 B at the least budget (the loss's seed, outside the program, as eager). Held:
+at most 0.2 % over, 5 % under, and the least budget passed by no more than the seed. (Until this was measured the
+step cloned every gradient before summing it over sp, in case compiled code returned one buffer twice: +2.2 % at
+the least budget; it now looks at the storages. Unsegmented, two fused multiplies of the MLP's backward held an
+input eager frees: +8.8 % at 0.5, s=512.)
 """
 import pytest
 import torch
@@ -31,18 +33,18 @@ def _job(rank, world, s):
     with pytest.raises(BudgetError) as info:
         autosp.plan(fn, mesh, params, ids, labels, memory_budget=1)
     errors, peaks = {}, []
-    for budget in (1.0, 0.5, info.value.least_peak_bytes):
-        vg = autosp.value_and_grad(fn, mesh, memory_budget=budget, compile=True)
+    # 0.5 with offload (the host copies keep a clone's strides, which compiled code asserts; 124 KiB a rank move)
+    for budget, host in ((1.0, None), (0.5, 5e9), (info.value.least_peak_bytes, None)):
+        vg = autosp.value_and_grad(fn, mesh, memory_budget=budget, host_bandwidth=host,
+                                   host_memory=2**20 if host else None, compile=True)
         loss, grads = vg(params, ids, labels)                   # compiles
         errors[f"budget {budget}"] = rank_errors(loss, grads, ref_loss, ref_grads)
         measured, _ = peak_bytes(lambda: vg(params, ids, labels))
         plan = vg.sharded.plan(autosp.api._differentiable(params), ids, labels)
+        assert (plan.offload_bytes > 0) == (host is not None), plan
         peaks.append((budget, measured, plan.peak_bytes))
-    # offload (its host copies keep a clone's strides, which compiled code asserts) and the module path
-    vg = autosp.value_and_grad(fn, mesh, memory_budget="least", host_bandwidth=5e9, host_memory=2**20, compile=True)
-    errors["offload"] = rank_errors(*vg(params, ids, labels), ref_loss, ref_grads)
-    assert vg.sharded.plan(autosp.api._differentiable(params), ids, labels).offload_bytes > 0
-    sharded = autosp.compile(model, mesh, memory_budget=0.5, compile=True)
+    # the module path (at 1.0: the programs compiled above, from inductor's cache)
+    sharded = autosp.compile(model, mesh, memory_budget=1.0, compile=True)
     res = sharded(ids, labels=labels)
     res.loss.backward()
     errors["autosp.compile"] = rank_errors(res.loss, {k: p.grad for k, p in model.named_parameters()}, ref_loss,
@@ -58,7 +60,9 @@ def test_the_compiled_step_is_exact_and_keeps_the_plan():
                                           for b, m, p in peaks))
         for budget, measured, predicted in peaks:
             off = (measured - predicted) / predicted
-            assert -0.05 <= off <= 0.03, f"rank {rank}, budget {budget}: measured {measured:,} B, plan {predicted:,} B"
+            assert -0.05 <= off <= 0.002, f"rank {rank}, budget {budget}: measured {measured:,} B, plan {predicted:,} B"
+        least, measured, _ = peaks[-1]
+        assert measured <= least + 16, f"rank {rank}: the least budget {least:,} B passed: measured {measured:,} B"
         assert peaks[-1][1] < 0.5 * peaks[0][1], peaks                # remat compiled still saves memory
 
 

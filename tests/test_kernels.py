@@ -474,6 +474,23 @@ def test_rocm_configs_move_tiles_by_pointers_and_were_compiled_without_spills():
     assert hopper["TMA"] == 1
 
 
+def test_one_config_of_each_kernel_compiles_for_mi300x_without_spills():
+    """Triton's AMD backend, offline (no GPU): the flash forward and both backward kernels, causal and with a mask's
+    tiles, and the Ulysses layout copy (pack and unpack), each at its ROCm default for fp16, d 64, compiled for gfx942
+    as a launch on MI300X would be (bench/compile_rocm.py `one`, in its own process: this one runs Triton's
+    interpreter); none spills."""
+    import os
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(root / "bench" / "compile_rocm.py"), "one", "--target", "gfx942"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    print(run.stdout)
+    assert run.returncode == 0, run.stdout + run.stderr
+    kernels = [line for line in run.stdout.splitlines() if line.startswith("gfx942 ") and "VGPRs" in line]
+    assert len(kernels) == 7 and all(" 0 spilled" in line for line in kernels), run.stdout
+
+
 def test_lowering_dispatches_attention_to_the_measured_kernel(monkeypatch):
     """The traced (and sharded) program names one attention op, SDPA; lowering calls the kernel that
     autosp.kernels.dispatch picks (flash only where measured faster: never on CPU), the lowered

@@ -195,8 +195,10 @@ def _count_job(rank, world):
     sharded = autosp.api._differentiable(autosp.shard_params(params, mesh))
     _, local = autosp.shard(fn, mesh).graphs(sharded, *args)
     out = {}
+    # plans that fit, not the cheapest (refine=False, as the planning command's length search asks): the counts
+    # are what is held here, and the cost-minimising MIPs took 160 s of this test's 165 s
     for budget in (None, 0.5, "least"):
-        _, program, _, _ = plan_step(local, budget, device="cpu")
+        _, program, _, _ = plan_step(local, budget, device="cpu", refine=False)
         count = {}
         for part in ("forward", "backward"):
             for e in getattr(program, part).eqns:
@@ -222,6 +224,7 @@ def test_each_parameter_gathered_once_forward_at_most_once_backward_reduced_once
             assert c.get(("backward", "all_gather_param"), 0) <= n, (budget, c)
             assert c[("backward", "reduce_scatter_param")] == n, (budget, c)
         assert counts[None].get(("backward", "all_gather_param"), 0) == 0   # no remat: the gathered copy is kept
+        assert counts["least"][("backward", "all_gather_param")] > 0         # the least regathers (21 of 21 here)
 
 
 def _memory_job(rank, world, s, budgets):

@@ -128,22 +128,22 @@ def test_measured_peak_falls_with_the_budget_and_matches_the_plan():
     the model must count), with and without offload (to 1 MiB of host memory per rank). Measured to 16 B
     (the loss's seed, which the program does not hold)."""
     cap = 2**20
-    budgets = [1.0, 0.7, 0.5, 0.4, "least", ("least", 5e9, cap)]
+    budgets = [1.0, 0.5, 0.4, "least", ("least", 5e9, cap)]
     rows = run_ranks(_memory_job, 2, 1024, budgets, fresh=True)   # measures its processes
     for rank_rows in rows:
-        peaks = [m for _, m, _, _, _, _ in rank_rows[:5]]
+        peaks = [m for _, m, _, _, _, _ in rank_rows[:4]]
         assert all(a > b for a, b in zip(peaks, peaks[1:])), f"peaks do not fall with the budget: {rank_rows}"
         for b, measured, predicted, _, _, _ in rank_rows:
             assert_peak(predicted, measured, atol=512, rtol=1e-4, what=f"remat, budget {b}")
             assert measured <= 1.05 * b if isinstance(b, int) else True, (b, measured)
-        assert peaks[3] <= 0.45 * peaks[0]
+        assert peaks[2] <= 0.45 * peaks[0]
         # offload happens: the plan moves bytes to the host, within the cap, the host pool holds them (a step
         # after the compile finds its buffers again), and the least peak on the device is not above the least
         # without offload (here the least sits in attention's backward, whose inputs offload cannot take away: the
         # planner's least is the same with and without, 3,159,044 B, and a plan under it may land a few KiB below)
         *_, (_, least, _, _, moved, grew) = rank_rows
         assert 0 < moved <= cap and grew == moved, (moved, grew, cap)
-        assert least <= peaks[4], (least, peaks[4])
+        assert least <= peaks[3], (least, peaks[3])
 
 
 def _stack_problem(blocks: int, width: int = 16, length: int = 64):

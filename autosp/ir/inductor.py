@@ -18,8 +18,7 @@ holds its members' inputs and outputs at once (two fused multiplies of an MLP's 
 least budget of a 4-layer Llama). A segment ends before the equation whose values, all made at once with none yet
 freed, would take the segment above the plan's peak; values cross a cut as the plan said they would. What remains is
 inductor's own, which the memory model does not know yet: a fused reduction keeps a few values per row (the loss: +9 B
-a position, +0.1 % of the tests' peaks), and its decompositions hold intermediates eager's ops never make (+2.2 % at
-the least budget of the 2-layer test at s=256).
+a position, +0.1 % of the tests' peaks).
 
 Inductor's FX graph cache (on disk) makes a second compile of the same program a cache hit: `cache` says
 which it was ("hit", "miss", "mixed" over segments), `seconds` how long it took. Its key includes a digest of

@@ -12,6 +12,8 @@ freed right after its last backward use, as the memory model assumes.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -83,8 +85,9 @@ class Runner:
         self.diff_outputs = joint.diff_outputs
         self.scale = boundary.scale
         self.sync = dict(boundary.sync)
-        # an in-place all-reduce must not write a storage the program shares; compiled code may alias otherwise
-        self.copy_grad = [True] * len(program.backward.outputs) if compiled else _shared_outputs(program.backward)
+        # an in-place all-reduce must not write a storage the program shares (compiled code may also return one
+        # buffer for two outputs: _RematStep.backward looks at their storages then)
+        self.copy_grad = _shared_outputs(program.backward)
 
     def run_forward(self, primals) -> list:
         return self.forward(list(primals)) if self.compiled else self.forward(*primals)
@@ -125,10 +128,16 @@ class _RematStep(torch.autograd.Function):
                 g = g * run.scale[j]
             args.append(g)
         del gouts
+        primal_keys = {_key(t) for t in args[:run.n_primals] if isinstance(t, torch.Tensor)} if run.compiled else ()
         grads = run.backward(args)
+        copy_grad = run.copy_grad
+        if run.compiled:              # what inductor's code returned: a primal's storage, or one shared by two outputs
+            keys = [_key(g) if isinstance(g, torch.Tensor) else None for g in grads]
+            twice = {k for k, n in Counter(keys).items() if n > 1}
+            copy_grad = [c or (k is not None and (k in primal_keys or k in twice)) for c, k in zip(copy_grad, keys)]
         out = [None] * run.n_primals
         posted = []
-        for i, g, copy in zip(run.diff_inputs, grads, run.copy_grad):
+        for i, g, copy in zip(run.diff_inputs, grads, copy_grad):
             groups = run.sync.get(i, ())
             if groups and (copy or not g.is_contiguous()):
                 g = g.clone(memory_format=torch.contiguous_format)     # all_reduce works in place
@@ -155,6 +164,10 @@ def _all_reduce_posted(posted: list) -> None:
             if h is not g:
                 h.set_()
         posted = [(g, groups) for g, groups in posted if groups]
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 def _shared_outputs(graph) -> list[bool]:
