@@ -57,7 +57,7 @@ def main(argv=None) -> None:
     print(f"# {command(__file__, argv)}", flush=True)
     t0 = time.perf_counter()
     res = run_ranks(_job, a.sp, a.names.split(","), a.s, budget, timeout=7200)
-    print(f"\n| model | worst relative error (every rank) | where | compile + first step, rank 0 |")
+    print("\n| model | worst relative error (every rank) | where | compile + first step, rank 0 |")
     print("|---|---|---|---|")
     bad = 0
     for name in a.names.split(","):
