@@ -98,6 +98,23 @@ def report(target, dtype, d, causal, fwd, bwd, terms=None) -> list[tuple[str, di
     return out
 
 
+def compile_cases(name, target, cases) -> int:
+    """Compile and print each (dtype, d, mask, terms) case at its ROCm defaults, then the layout copy; the most
+    VGPRs any of them spilled."""
+    t0, worst = time.time(), 0
+    for dt, d, mask, terms in cases:
+        fwd, bwd = hip_defaults(dt, d)
+        for label, r in report(target, dt, d, terms is None or terms.causal, fwd, bwd, terms):
+            worst = max(worst, r["spill"])
+            print(f"{name} {str(dt)[6:]:8s} d{d:<3d} {mask:6s} {label:4s} {fmt(r)}", flush=True)
+    for fn, args, kwargs in copy_launch():
+        r = resources(compile_for(target, fn, args, kwargs))
+        worst = max(worst, r["spill"])
+        print(f"{name} bfloat16 layout copy    {fmt(r)}", flush=True)
+    print(f"{name}: compiled in {time.time() - t0:.0f} s", flush=True)
+    return worst
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="?", default="defaults", choices=["defaults", "sweep", "one"])
@@ -110,36 +127,13 @@ def main() -> None:
     for name in targets:
         target = TARGETS[name]
         if a.what == "one":              # fp16 d64: causal forward and backward, one mask's, the layout copy
-            t0 = time.time()
-            fwd, bwd = hip_defaults(torch.float16, 64)
-            for mask, terms in (("causal", None), ("docs", MASKS["docs"])):
-                for label, r in report(target, torch.float16, 64, terms is None or terms.causal, fwd, bwd, terms):
-                    worst = max(worst, r["spill"])
-                    print(f"{name} float16 d64 {mask:6s} {label:4s} {fmt(r)}", flush=True)
-            for fn, args, kwargs in copy_launch():
-                r = resources(compile_for(target, fn, args, kwargs))
-                worst = max(worst, r["spill"])
-                print(f"{name} bfloat16 layout copy    {fmt(r)}", flush=True)
-            print(f"{name}: compiled in {time.time() - t0:.0f} s", flush=True)
+            worst = max(worst, compile_cases(name, target, [(torch.float16, 64, "causal", None),
+                                                            (torch.float16, 64, "docs", MASKS["docs"])]))
         elif a.what == "defaults":
-            t0 = time.time()
-            for dt in (torch.bfloat16, torch.float16, torch.float32):
-                for d in (64, 128):
-                    fwd, bwd = hip_defaults(dt, d)
-                    for label, r in report(target, dt, d, True, fwd, bwd):
-                        worst = max(worst, r["spill"])
-                        print(f"{name} {str(dt)[6:]:8s} d{d:<3d} causal {label:4s} {fmt(r)}", flush=True)
-            for dt, d in ((torch.bfloat16, 128), (torch.float16, 64)):
-                fwd, bwd = hip_defaults(dt, d)
-                for mask, terms in MASKS.items():
-                    for label, r in report(target, dt, d, terms.causal, fwd, bwd, terms):
-                        worst = max(worst, r["spill"])
-                        print(f"{name} {str(dt)[6:]:8s} d{d:<3d} {mask:6s} {label:4s} {fmt(r)}", flush=True)
-            for fn, args, kwargs in copy_launch():
-                r = resources(compile_for(target, fn, args, kwargs))
-                worst = max(worst, r["spill"])
-                print(f"{name} bfloat16 layout copy    {fmt(r)}", flush=True)
-            print(f"{name}: compiled in {time.time() - t0:.0f} s", flush=True)
+            cases = [(dt, d, "causal", None) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (64, 128)]
+            cases += [(dt, d, mask, terms) for dt, d in ((torch.bfloat16, 128), (torch.float16, 64))
+                      for mask, terms in MASKS.items()]
+            worst = max(worst, compile_cases(name, target, cases))
         else:
             fwd0, bwd0 = hip_defaults(torch.bfloat16, 128)
             for bm, bn, w in ((128, 64, 8), (128, 64, 4), (128, 32, 4), (64, 64, 4), (64, 32, 4), (64, 16, 4)):
