@@ -15,6 +15,7 @@ measured window opens, so neither window contains the other step's frees.
     .venv/bin/python bench/sp_vs_ulysses.py --compile [--compile-ulysses]   # A through inductor [B torch.compile'd]
     .venv/bin/python bench/sp_vs_ulysses.py --compile --blocking   # and C: A with its collectives blocking
     .venv/bin/python bench/sp_vs_ulysses.py --compile --eager      # and D: autosp eager (compiled A against it)
+    .venv/bin/python bench/sp_vs_ulysses.py --profile              # and where each side's step time goes
 """
 from __future__ import annotations
 
@@ -236,9 +237,51 @@ def _job(rank, world, args):
         return peak_bytes(lambda: fns[side]() and None)[0]
 
     mem = {"A": peak("A"), "B": peak("B")}
+    profiles = {side: profile_step(fns[side], free_grads, sp) for side in sides} if args.profile else None
 
     return {"rank": rank, "loss_a": loss_a.item(), "loss_b": loss_b.item(), "grad_rel": grad_rel,
-            "first_a": first_a, "first_b": first_b, "times": times, "mem": mem, "same_c": same_c}
+            "first_a": first_a, "first_b": first_b, "times": times, "mem": mem, "same_c": same_c,
+            "profiles": profiles}
+
+
+# the kernels both sides run on the same shapes: what no lowering of the rest of the step can make cheaper
+SHARED = ("aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+          "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::mm")
+
+
+def profile_step(step, free_grads, group):
+    """{op name: self CPU seconds} of one step under torch.profiler, and the step's seconds."""
+    import torch.distributed as dist
+    from autosp.memory import _quiet_stderr
+    free_grads()
+    dist.barrier(group)
+    with _quiet_stderr():
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        prof.__enter__()
+    t0 = time.perf_counter()
+    step()
+    seconds = time.perf_counter() - t0
+    with _quiet_stderr():
+        prof.__exit__(None, None, None)
+    return {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}, seconds
+
+
+def print_profiles(profiles, top=8):
+    """Per side: the step's seconds under the profiler, the kernels both sides share, and the largest others."""
+    print("\n| side | profiled step (s) | " + " | ".join(n.replace("aten::_scaled_dot_product_", "sdpa ")
+                                                    for n in SHARED) + " | shared total | the rest |")
+    print("|---|---|" + "---|" * (len(SHARED) + 2))
+    for side, (ops, seconds) in profiles.items():
+        shared = [ops.get(n, 0.0) for n in SHARED]
+        print(f"| {side} | {seconds:.3f} | " + " | ".join(f"{t:.3f}" for t in shared)
+              + f" | {sum(shared):.3f} ({sum(shared) / seconds:.0%}) | {seconds - sum(shared):.3f} |")
+    for side, (ops, _) in profiles.items():
+        rest = sorted(((t, n) for n, t in ops.items() if n not in SHARED), reverse=True)[:top]
+        print(f"{side}, the largest others (self CPU s): " + ", ".join(f"{n} {t:.3f}" for t, n in rest))
+    if "A" in profiles and "B" in profiles:
+        (_, b), shared_a = profiles["B"], sum(profiles["A"][0].get(n, 0.0) for n in SHARED)
+        print(f"A's shared kernels alone are {shared_a / b:.3f} of B's profiled step: A/B cannot go below that "
+              "without faster attention or matmuls")
 
 
 def main(argv=None):
@@ -261,6 +304,8 @@ def main(argv=None):
                     help="also C: A with every collective blocking where it stands (AUTOSP_OVERLAP=0), in the rotation")
     ap.add_argument("--eager", action="store_true",
                     help="also D: autosp as A without compile=True, in the rotation (with --compile: A's gain)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also one profiled step per side (rank 0): the kernels both run against the rest")
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args(argv)
     if args.intermediate is None:
@@ -306,6 +351,8 @@ def main(argv=None):
         print(f"C equals A bit for bit (loss and grads, every rank): {all(r['same_c'] for r in res)}")
     if args.eager:
         print(f"step times D: {', '.join(f'{t:.5f}' for t in r0['times']['D'])}")
+    if args.profile:
+        print_profiles(r0["profiles"])
     print(f"total wall {wall:.0f}s")
 
 

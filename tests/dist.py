@@ -41,7 +41,9 @@ def run_ranks(fn, world: int, *args, timeout: float = 300, fresh: bool = False):
     The processes are the session's pool for that world size (RankPool, started on first use and
     kept: a spawn and `import autosp` cost 3.5 s at 2 ranks and 8.8 s at 4 on the 2-core CI machine,
     per call). A failed or timed-out job spends its pool; the next call starts a fresh one.
-    fresh=True runs on new processes instead (tests that measure a process's own memory)."""
+    fresh=True runs on new processes instead, for tests that read what a process holds besides the step (the host
+    pool's growth, inductor's in-process caches); a step's peak (autosp.memory.peak_bytes: its own allocation
+    events) is the same in a pool's process."""
     if fresh:
         return _run_fresh(fn, world, *args, timeout=timeout)
     if world not in _POOLS:

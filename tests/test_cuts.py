@@ -110,6 +110,6 @@ def _least_job(rank, world):
 
 
 def test_per_layer_checkpointing_is_the_least_peak_and_runs_exactly():
-    for rank, (predicted, measured, seed, text) in enumerate(run_ranks(_least_job, 2, fresh=True)):
+    for rank, (predicted, measured, seed, text) in enumerate(run_ranks(_least_job, 2)):
         assert predicted == seed and "found by per-layer checkpointing" in text, (rank, predicted, seed, text)
         assert_peak(predicted, measured, atol=512, rtol=1e-4, what=f"per-layer checkpointing, rank {rank}")

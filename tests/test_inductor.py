@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import autosp
-from autosp.remat import BudgetError
 from tests.dist import run_ranks
 from tests.models import assert_every_rank
 
@@ -30,11 +29,10 @@ def _job(rank, world, s):
     fn, params = llama_loss(model), params_of(model)
     ids, labels = batch(1, s, 128, pad=5)
     ref_loss, ref_grads = reference(fn, params, ids, labels)
-    with pytest.raises(BudgetError) as info:
-        autosp.plan(fn, mesh, params, ids, labels, memory_budget=1)
     errors, peaks = {}, []
-    # 0.5 with offload (the host copies keep a clone's strides, which compiled code asserts; 124 KiB a rank move)
-    for budget, host in ((1.0, None), (0.5, 5e9), (info.value.least_peak_bytes, None)):
+    # 0.5 with offload (the host copies keep a clone's strides, which compiled code asserts; 124 KiB a rank move);
+    # "least": the least-peak search once, on the first rank, its plan broadcast
+    for budget, host in ((1.0, None), (0.5, 5e9), ("least", None)):
         vg = autosp.value_and_grad(fn, mesh, memory_budget=budget, host_bandwidth=host,
                                    host_memory=2**20 if host else None, compile=True)
         loss, grads = vg(params, ids, labels)                   # compiles
@@ -61,7 +59,7 @@ def test_the_compiled_step_is_exact_and_keeps_the_plan():
         for budget, measured, predicted in peaks:
             off = (measured - predicted) / predicted
             assert -0.05 <= off <= 0.002, f"rank {rank}, budget {budget}: measured {measured:,} B, plan {predicted:,} B"
-        least, measured, _ = peaks[-1]
+        _, measured, least = peaks[-1]
         assert measured <= least + 16, f"rank {rank}: the least budget {least:,} B passed: measured {measured:,} B"
         assert peaks[-1][1] < 0.5 * peaks[0][1], peaks                # remat compiled still saves memory
 

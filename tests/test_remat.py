@@ -128,10 +128,10 @@ def test_measured_peak_falls_with_the_budget_and_matches_the_plan():
     the model must count), with and without offload (to 1 MiB of host memory per rank). Measured to 16 B
     (the loss's seed, which the program does not hold)."""
     cap = 2**20
-    budgets = [1.0, 0.5, 0.4, "least", ("least", 5e9, cap)]
+    budgets = [1.0, 0.5, "least", ("least", 5e9, cap)]         # (0.4, between 0.5 and the least, went: 10 s)
     rows = run_ranks(_memory_job, 2, 1024, budgets, fresh=True)   # measures its processes
     for rank_rows in rows:
-        peaks = [m for _, m, _, _, _, _ in rank_rows[:4]]
+        peaks = [m for _, m, _, _, _, _ in rank_rows[:3]]
         assert all(a > b for a, b in zip(peaks, peaks[1:])), f"peaks do not fall with the budget: {rank_rows}"
         for b, measured, predicted, _, _, _ in rank_rows:
             assert_peak(predicted, measured, atol=512, rtol=1e-4, what=f"remat, budget {b}")
@@ -143,7 +143,7 @@ def test_measured_peak_falls_with_the_budget_and_matches_the_plan():
         # planner's least is the same with and without, 3,159,044 B, and a plan under it may land a few KiB below)
         *_, (_, least, _, _, moved, grew) = rank_rows
         assert 0 < moved <= cap and grew == moved, (moved, grew, cap)
-        assert least <= peaks[3], (least, peaks[3])
+        assert least <= peaks[2], (least, peaks[2])
 
 
 def _stack_problem(blocks: int, width: int = 16, length: int = 64):

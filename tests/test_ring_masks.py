@@ -234,6 +234,6 @@ def _memory_job(rank, world, s, budgets):
 def test_measured_peak_of_the_masked_ring_is_the_planned():
     """Packed documents, s=1024: measured 6,018,572 / 3,593,740 B against 5,985,796 / 3,560,964 B predicted at
     budgets 1.0 / 0.6 (the masked blocks' scores are in the ring ops' workspace)."""
-    for rows in run_ranks(_memory_job, 4, 1024, [1.0, 0.6], fresh=True):
+    for rows in run_ranks(_memory_job, 4, 1024, [1.0, 0.6]):
         for b, measured, predicted in rows:
             assert_peak(predicted, measured, rtol=0.02, what=f"masked ring, budget {b}")
