@@ -90,9 +90,10 @@ def test_remat_is_exact_at_every_budget(dims):
 def _memory_job(rank, world, s, budgets, ring=None, least_bytes=True):
     """Per budget: (budget, measured peak, plan.peak_bytes, no-remat peak, bytes the plan offloads, bytes the host
     pool grew by over the compile and the measured step); `ring` as autosp.shard's. A budget ("least", host
-    bandwidth, host memory) plans offload under that host capacity per rank. "least" is planned at the least
-    peak in bytes, as the planner's error names it (every rank searches for it); with `least_bytes` False
-    memory_budget="least" itself, whose search the first rank runs for all (value_and_grad's plan)."""
+    bandwidth, host memory) plans offload under that host capacity per rank, as memory_budget="least" itself
+    (one search, the first rank's, for all: value_and_grad's plan). A plain "least" is planned at the least
+    peak in bytes, as the planner's error names it (every rank searches for it); with `least_bytes` False as
+    memory_budget="least" too."""
     from torch.distributed.device_mesh import init_device_mesh
     from autosp.memory import peak_bytes
     from autosp.remat.offload import _host_pool
@@ -105,9 +106,10 @@ def _memory_job(rank, world, s, budgets, ring=None, least_bytes=True):
     out = []
     for b in budgets:
         host = cap = None
+        direct = not least_bytes
         if isinstance(b, tuple):                              # ("least", host bandwidth, host memory): offload
-            b, host, cap = b
-        if b == "least" and least_bytes:                      # the least budget the planner accepts, as its error says
+            (b, host, cap), direct = b, True
+        if b == "least" and not direct:                       # the least budget the planner accepts, as its error says
             with pytest.raises(autosp.remat.BudgetError) as info:
                 autosp.plan(fn, mesh, params, ids, labels, memory_budget=1, host_bandwidth=host, host_memory=cap,
                             ring=ring)
