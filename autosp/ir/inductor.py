@@ -82,7 +82,8 @@ def _cache_key_pass():
 
 def _decompose(gm, args: list):
     """gm (an fx module of autosp's lowering) decomposed as inductor decomposes, for `args` (tensors, or _Meta: what
-    a tensor will be): (the decomposed module, its fake inputs, their fake mode, the _Meta of its outputs, whose
+    a tensor will be): (the decomposed module, its fake inputs, their fake mode's tracing context, the _Meta of its
+    outputs, whose
     strides compiled code keeps). The fake mode has a shape environment and is a tracing context's: inductor's FX
     graph cache keys on them (it bypasses a graph compiled without)."""
     from torch._guards import TracingContext, tracing
@@ -93,8 +94,7 @@ def _decompose(gm, args: list):
     fake = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     with fake:
         fakes = [fake.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else
-                 torch.empty_strided(a.shape, a.stride, dtype=a.dtype, device=a.device) if isinstance(a, _Meta) else a
-                 for a in args]
+                 a.fake() if isinstance(a, _Meta) else a for a in args]
     context = TracingContext(fake)
     with torch.no_grad(), tracing(context), fake:
         decomposed = make_fx(gm, decomposition_table=select_decomp_table())(*fakes)
@@ -122,10 +122,21 @@ class _Meta:
     stride: tuple
     dtype: torch.dtype
     device: torch.device
+    offset: int = 0               # into its storage (a view's): compiled code assumes what it was compiled for
 
     @staticmethod
     def of(t):
-        return _Meta(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) if isinstance(t, torch.Tensor) else None
+        if not isinstance(t, torch.Tensor):
+            return None
+        return _Meta(tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.storage_offset())
+
+    def fake(self):
+        """The tensor, made under the fake mode that is current (nothing is allocated)."""
+        if not self.offset:
+            return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+        span = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride) if n)
+        base = torch.empty(self.offset + span, dtype=self.dtype, device=self.device)
+        return base.as_strided(self.shape, self.stride, self.offset)
 
 
 def _stagger(n: int) -> list[int]:
