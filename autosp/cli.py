@@ -251,7 +251,12 @@ def _train(a, argv) -> int:
 
 def _worker(a, worker=None) -> int:
     """One rank of a launched verb (train's worker by default): its failure recorded for the launcher to tell."""
+    import faulthandler
+    import signal
+
     from autosp.run.launch import LAUNCHED, record_failure
+    if hasattr(signal, "SIGUSR1"):               # `kill -USR1 PID` prints where each thread of a rank is
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     if worker is None:
         from autosp.run.train import worker
     try:

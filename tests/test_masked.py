@@ -79,7 +79,7 @@ DENSE = {
     "(k <= q) & (q - k < x0)": lambda q, k, x: (k <= q) & (q - k < x[0]),
     "((k <= q) & x0[k])": lambda q, k, x: (k <= q) & at_k(x[0]).bool(),
     "(k <= q) & x0[k]": lambda q, k, x: (k <= q) & at_k(x[0]).bool(),
-    "True": lambda q, k, x: torch.ones(q.shape[0], k.shape[1], dtype=torch.bool),
+    "True": lambda q, k, x: torch.ones(q.shape[0], k.shape[1], dtype=torch.bool, device=q.device),
     "where(x0[k] > 0, 0.0, -inf)": lambda q, k, x: torch.where(at_k(x[0]) > 0, 0.0, float("-inf")),
     'where(k <= q, cast(k - q, "float32") * 0.125, -inf)':
         lambda q, k, x: torch.where(k <= q, (k - q).float() * 0.125, float("-inf")),
@@ -98,7 +98,8 @@ def at_k(leaf):
 
 def plain_mask(mask, leaves, length):
     """[b or 1, L, L] bool (or float) mask of DENSE[mask] with positions 0..L-1."""
-    pos = torch.arange(length)
+    device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), None)   # the leaves' (a GPU's too)
+    pos = torch.arange(length, device=device)
     dense = DENSE[mask](pos[:, None], pos[None, :], leaves)
     return dense if dense.dim() == 3 else dense[None]
 

@@ -166,7 +166,7 @@ def _cpu_flash_backward(e: Eqn) -> int:
 # aten overload -> its workspace, where the canonical op name covers kernels that differ (every
 # SDPA overload is "attention"). Measured with the profiler's allocation events, by thread count.
 # Counted in a CPU step only: a program traced on the host is also how a GPU step is planned (autosp
-# plan, meta models), and there a GPU kernel runs with its own, small, workspace.
+# plan, meta models), and there the GPU's kernels run, with their own scratch (WORKSPACE_CUDA_BY_TARGET).
 _CPU_FLASH = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CPU_FLASH_BWD = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 WORKSPACE_BY_TARGET = {}
@@ -176,7 +176,72 @@ if _CPU_FLASH_BWD is not None:
     WORKSPACE_BY_TARGET[_CPU_FLASH_BWD.default] = _cpu_flash_backward
 
 
+def _up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _gqa_expanded(q, k) -> int:
+    """dK and dV at every query head, before their sum over each group: what a GPU attention backward holds
+    under GQA (0 without)."""
+    b, hq, _, d = q.shape
+    return 0 if k.shape[1] == hq else 2 * q.dtype.itemsize * b * k.shape[-2] * hq * d
+
+
+# A GPU kernel's scratch, f(inputs, outputs) of anything with .shape and .dtype, so that bench/cuda_workspace.py
+# holds each to the CUDA caching allocator's count at real sizes. Measured on an H200 (torch 2.11, bf16;
+# bench/RESULTS.md, "The whole step on an H200"); a kernel not named runs with no scratch of its own, or one that
+# persists from the first step (cuBLAS's workspace).
+
+def cuda_flash_backward(inputs, outputs) -> int:
+    """SDPA's FLASH backend (FlashAttention-2): fp32 dQ scratch twice [b, s_q rounded up to 128, h_q, d rounded
+    up to 32 (64 above 128)] and fp32 softmax_d [b, h_q, s_q rounded], plus the GQA expansion."""
+    q, k = inputs[1], inputs[2]
+    b, hq, sq, d = q.shape
+    sq_r = _up(sq, 128)
+    return 4 * b * hq * sq_r + 8 * b * sq_r * hq * _up(d, 32 if d <= 128 else 64) + _gqa_expanded(q, k)
+
+
+def cuda_cudnn_backward(inputs, outputs) -> int:
+    """SDPA's cuDNN backend (the one SDPA picks on an H200): fp32 dQ [b, s_q, h_q, d] and fp32 statistics
+    [b, h_q, s_q], plus the GQA expansion."""
+    q, k = inputs[1], inputs[2]
+    b, hq, sq, d = q.shape
+    return 4 * b * hq * sq + 4 * b * sq * hq * d + _gqa_expanded(q, k)
+
+
+def cuda_efficient_backward(inputs, outputs) -> int:
+    """SDPA's EFFICIENT backend (memory-efficient attention; no GQA): an fp32 dQ accumulator and a copy in the
+    input's type [b, s_q, h, d], and fp32 row terms [b, h, s_q] (0.1 MiB under at 8192 x 64)."""
+    b, hq, sq, d = inputs[1].shape
+    return 4 * b * hq * sq + (4 + inputs[1].dtype.itemsize) * b * sq * hq * d
+
+
+def cuda_embedding_backward(inputs, outputs) -> int:
+    """embedding_dense_backward past 3072 indices (below: a kernel with no scratch): the indices sorted with
+    their positions, then partial sums in the accumulation type (fp32 for half precision), one row per partial
+    segment, at most n / 10 + min(n, rows) of them, whatever the ids (0.2 MiB under at 32K tokens)."""
+    grad, idx = inputs[0], inputs[1]
+    n = 1
+    for size in idx.shape:
+        n *= size
+    if n <= 3072:
+        return 0
+    rows, width = outputs[0].shape[0], outputs[0].shape[-1]
+    segments = min(n, rows)
+    partials = n // 10 + segments
+    return max(4, grad.dtype.itemsize) * width * partials + 8 * (4 * n + 2 * segments + partials)
+
+
+WORKSPACE_CUDA_BY_TARGET = {getattr(aten, name).default: f for name, f in (
+    ("_scaled_dot_product_flash_attention_backward", cuda_flash_backward),
+    ("_scaled_dot_product_cudnn_attention_backward", cuda_cudnn_backward),
+    ("_scaled_dot_product_efficient_attention_backward", cuda_efficient_backward),
+    ("embedding_dense_backward", cuda_embedding_backward)) if hasattr(aten, name)}
+
+
 def workspace(e: Eqn, device: str = "cpu") -> int:
+    if device == "cuda" and e.op.target in WORKSPACE_CUDA_BY_TARGET:
+        return WORKSPACE_CUDA_BY_TARGET[e.op.target](e.inputs, e.outputs)
     f = WORKSPACE.get(e.op.name) or (WORKSPACE_BY_TARGET.get(e.op.target) if device == "cpu" else None)
     return f(e) if f is not None else 0
 

@@ -107,7 +107,9 @@ def worker(a) -> None:
     if step.device == "cuda":
         torch.cuda.set_device(local_rank)
     dev = torch.device(step.device, local_rank) if step.device == "cuda" else torch.device("cpu")
-    dist.init_process_group("nccl" if step.device == "cuda" else "gloo", timeout=timedelta(seconds=a.timeout))
+    # on a GPU the group is bound to the rank's device: NCCL starts at once, and barriers run there
+    dist.init_process_group("nccl" if step.device == "cuda" else "gloo", timeout=timedelta(seconds=a.timeout),
+                            **({"device_id": dev} if step.device == "cuda" else {}))
     try:
         sp, dp = step.sp, world // step.sp
         mesh = _mesh(dev.type, dp, sp)

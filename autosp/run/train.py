@@ -94,7 +94,9 @@ def worker(a) -> None:
     if device == "cuda":
         torch.cuda.set_device(local_rank)
     dev = torch.device(device, local_rank) if device == "cuda" else torch.device("cpu")
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(seconds=a.timeout))
+    # on a GPU the group is bound to the rank's device: NCCL starts at once, and barriers run there
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(seconds=a.timeout),
+                            **({"device_id": dev} if device == "cuda" else {}))
     try:
         faults.maybe_fail("step", 0)             # before the heavy imports: a cheap drill for tests
         from autosp.api import value_and_grad
