@@ -752,3 +752,34 @@ def test_a_plan_traces_without_source_lines_but_its_errors_name_the_line():
         tracer = Mixing(model_config("tiny"), planning_mesh(2, 1), torch.float32, 1, 2)
         with pytest.raises(AutospError, match=r"cummax.*test_cli\.py"):
             tracer.trace(256)
+
+
+@pytest.mark.parametrize("reach", [17344, 17408, 20000, 64 * 40, 17000, 64, 10])
+def test_the_plan_check_finds_trains_length_in_few_plans(reach, monkeypatch):
+    """`autosp plan` holds its answer to the plan `autosp train` makes: the longest multiple of the granule that
+    fits, one granule more refused, in a number of plans that grows with the log of the distance (a walk of one
+    granule at a time planned 1B at sp 1 for over ten minutes, 15-20 s a plan)."""
+    from types import SimpleNamespace
+
+    from autosp.run import answer
+    asked = []
+
+    class Step:
+        def __init__(self, n):
+            self.seq_len = n
+
+        def with_length(self, n):
+            return Step(n)
+
+    def at_length(step, **_):
+        asked.append(step.seq_len)
+        return SimpleNamespace(fits=step.seq_len <= reach)
+
+    monkeypatch.setattr(answer, "at_length", at_length)
+    length, note = answer._checked(Step(17344), 64, parallel=False)
+    if reach < 64:
+        assert "fits no multiple of 64" in note and length == 17344
+    else:
+        assert length == reach // 64 * 64 and f"{length:,} tokens fit" in note
+        assert all(n % 64 == 0 for n in asked) and (length + 64) in asked
+    assert len(asked) <= 2 + 2 * math.ceil(math.log2(17344 / 64 + abs(reach - 17344) / 64 + 2)), asked

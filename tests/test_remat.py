@@ -199,6 +199,26 @@ def test_ilp_equals_brute_force_on_small_graphs():
     assert len(objectives) >= 3          # the budgets really trade memory for recomputation
 
 
+def test_a_mip_that_highs_presolve_fails_is_solved_without_it(monkeypatch):
+    """HiGHS's presolve failed inside on one least-peak MIP of Llama 3.2 1B (`ValueError: vector::reserve`); the
+    solve is made again without presolve, with the same answer it gives when presolve works."""
+    from autosp.remat import solve as S
+    joint, p, needs = _small_problem()
+    want = S.solve(p, None, minimize_peak=True, gap=0.0)
+    real, calls = S.milp, []
+
+    def failing(*args, options, **kw):
+        calls.append(options.get("presolve", True))
+        if options.get("presolve", True):
+            raise ValueError("vector::reserve")
+        return real(*args, options=options, **kw)
+
+    monkeypatch.setattr(S, "milp", failing)
+    got = S.solve(p, None, minimize_peak=True, gap=0.0)
+    assert calls[:2] == [True, False], calls
+    assert np.max(p.memory(got)) == np.max(p.memory(want))
+
+
 def test_peak_minimising_solve_equals_brute_force():
     """The MIP that minimises the peak (the least-peak search's) reaches brute force's least peak, and
     no assignment peaks lower; its memory rows are the intervals' bytes live at each time point."""

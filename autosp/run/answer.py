@@ -322,22 +322,44 @@ def _checked(step: Step, granule: int, parallel: bool = True) -> tuple[int, str]
     """The ILP row's length held to the plan `autosp train` makes (at_length): the longest multiple of `granule`
     near it that train's plan fits, one granule more refused. The row's plan is the least-peak plan found at the
     longer probe; train plans the cheapest within the budget at its own length, trying every tiling, which may
-    reach a little further (or, rarely, not as far). (length, the line that says so)"""
+    reach a little further (or, rarely, not as far); the length it fits is taken to grow with the length, as
+    a step's bytes do. (length, the line that says so)"""
     from autosp.run.plan import _both
 
     def fits(length: int) -> bool:
         return at_length(step.with_length(length), with_longest=False, quick=True).fits
 
-    first = length = step.seq_len
-    at, up = _both(lambda: fits(length), lambda: fits(length + granule), parallel)
-    while up:
-        length += granule
-        up = fits(length + granule)
-    while not at and length > granule:
-        length -= granule
-        at = fits(length)
-    if not at:
-        return first, f"checked: train's own plan fits no multiple of {granule} tokens up to {first:,}"
+    first = step.seq_len
+    at, up = _both(lambda: fits(first), lambda: fits(first + granule), parallel)
+    # lo fits, hi does not (both multiples of the granule): found by strides that double away from the row's length
+    # (one plan a try: a walk of one granule at a time took minutes where train's plan reaches further), then halved
+    if at and not up:
+        lo, hi = first, first + granule
+    elif up:
+        lo, hi, stride = first + granule, None, granule
+        while hi is None:
+            stride *= 2
+            if fits(lo + stride):
+                lo += stride
+            else:
+                hi = lo + stride
+    else:
+        lo, hi, stride = None, first, granule
+        while lo is None and hi > granule:
+            try_ = max(granule, hi - stride)
+            if fits(try_):
+                lo = try_
+            else:
+                hi, stride = try_, stride * 2
+        if lo is None:
+            return first, f"checked: train's own plan fits no multiple of {granule} tokens up to {first:,}"
+    while hi - lo > granule:
+        mid = lo + (hi - lo) // granule // 2 * granule
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    length = lo
     how = ("the ILP row's length" if length == first else
            f"{(length - first) // granule:+d} granule(s) from the ILP row's {first:,}")
     return length, (f"checked against the plan autosp train makes (autosp plan --seq-len): {length:,} tokens fit "
