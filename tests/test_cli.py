@@ -783,3 +783,14 @@ def test_the_plan_check_finds_trains_length_in_few_plans(reach, monkeypatch):
         assert length == reach // 64 * 64 and f"{length:,} tokens fit" in note
         assert all(n % 64 == 0 for n in asked) and (length + 64) in asked
     assert len(asked) <= 2 + 2 * math.ceil(math.log2(17344 / 64 + abs(reach - 17344) / 64 + 2)), asked
+
+
+def test_planning_worlds_leave_the_excepthook_as_they_found_it():
+    """Each plan of `autosp plan` runs in a fake world; torch wraps sys.excepthook in each (a "[rank0]: " prefix)
+    and never unwraps it: after 20 plans an error's traceback had 20 prefixes a line."""
+    from autosp.run.meshes import fake_world
+    hook = sys.excepthook
+    for _ in range(3):
+        with fake_world(2):
+            pass
+    assert sys.excepthook is hook

@@ -19,12 +19,16 @@ def fake_world(size: int):
     if dist.is_initialized():
         raise AutospError("autosp plan/explain: a process group is already initialised in this process. Fix: run "
                           "the command on its own (not under torchrun).")
+    import sys
+
     from torch.testing._internal.distributed.fake_pg import FakeStore
+    hook = sys.excepthook      # init_process_group wraps it to prefix "[rank0]: ", and destroying it does not unwrap
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def planning_mesh(sp: int, dp: int = 1):
