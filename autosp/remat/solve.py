@@ -122,15 +122,14 @@ def _solve_rows(p: IlpProblem, rows: set[int], budget: float | None, minimize_pe
     integrality = np.concatenate([np.ones(nb), np.zeros(width - nb)])
     options = {"disp": False, "mip_rel_gap": gap, "time_limit": TIME_LIMIT if time_limit is None else time_limit,
                **({"node_limit": node_limit} if node_limit else {})}
+    problem = dict(constraints=LinearConstraint(A, lo, hi), integrality=integrality, bounds=Bounds(np.zeros(width), ub))
     with _quiet():
         try:
-            res = milp(c, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
-                       bounds=Bounds(np.zeros(width), ub), options=dict(options))
+            res = milp(c, **problem, options=dict(options))
         except ValueError:
             # HiGHS's presolve can fail inside (seen: "vector::reserve" on a least-peak MIP of Llama 3.2 1B, whose
             # coefficients span 9 decades); the same MIP without it solved in 0.9 s
-            res = milp(c, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
-                       bounds=Bounds(np.zeros(width), ub), options=dict(options, presolve=False))
+            res = milp(c, **problem, options=dict(options, presolve=False))
     if res.x is None:
         return None
     return np.round(res.x[:nb])
