@@ -29,7 +29,7 @@ def _job(rank, world, s):
     fn, params = llama_loss(model), params_of(model)
     ids, labels = batch(1, s, 128, pad=5)
     ref_loss, ref_grads = reference(fn, params, ids, labels)
-    errors, peaks = {}, []
+    errors, peaks, counts = {}, [], {}
     # 0.5 with offload (the host copies keep a clone's strides, which compiled code asserts; 124 KiB a rank move);
     # "least": the least-peak search once, on the first rank, its plan broadcast
     for budget, host in ((1.0, None), (0.5, 5e9), ("least", None)):
@@ -37,6 +37,10 @@ def _job(rank, world, s):
                                    host_memory=2**20 if host else None, compile=True)
         loss, grads = vg(params, ids, labels)                   # compiles
         errors[f"budget {budget}"] = rank_errors(loss, grads, ref_loss, ref_grads)
+        if host:
+            with _Calls() as calls:                             # the compiled code's calls of autosp's offload ops
+                vg(params, ids, labels)
+            counts[budget] = calls.counts
         measured, _ = peak_bytes(lambda: vg(params, ids, labels))
         plan = vg.sharded.plan(autosp.api._differentiable(params), ids, labels)
         assert (plan.offload_bytes > 0) == (host is not None), plan
@@ -47,13 +51,32 @@ def _job(rank, world, s):
     res.loss.backward()
     errors["autosp.compile"] = rank_errors(res.loss, {k: p.grad for k, p in model.named_parameters()}, ref_loss,
                                            ref_grads)
-    return errors, peaks
+    return errors, peaks, counts
+
+
+class _Calls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the calls of autosp's offload, prefetch and wait."""
+
+    def __enter__(self):
+        self.counts = {"offload": 0, "prefetch": 0, "wait": 0}
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket._qualified_op_name
+        if name.startswith("autosp::") and name[len("autosp::"):] in self.counts:
+            self.counts[name[len("autosp::"):]] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def test_the_compiled_step_is_exact_and_keeps_the_plan():
     results = run_ranks(_job, 2, 256, fresh=True, timeout=900)      # measures its processes
-    assert_every_rank([errors for errors, _ in results])
-    for rank, (_, peaks) in enumerate(results):
+    assert_every_rank([errors for errors, _, _ in results])
+    for rank, (_, _, counts) in enumerate(results):
+        # every value prefetched is waited for before it is read: a wait that writes nothing and returns nothing
+        # was dead code to inductor (on a GPU its readers would have raced the copy back)
+        for budget, c in counts.items():
+            assert c["offload"] == c["prefetch"] == c["wait"] > 0, (rank, budget, c)
+    for rank, (_, peaks, _) in enumerate(results):
         print(f"rank {rank}: " + "; ".join(f"budget {b}: measured {m:,} B, plan {p:,} B ({(m - p) / p:+.2%})"
                                           for b, m, p in peaks))
         for budget, measured, predicted in peaks:

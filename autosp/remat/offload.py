@@ -134,9 +134,12 @@ def _(h, device):
     return torch.empty_like(h, device=device)
 
 
-@torch.library.custom_op("autosp::wait", mutates_args=())
+@torch.library.custom_op("autosp::wait", mutates_args=("x",))
 def wait(x: Tensor) -> None:
-    """The compute stream waits for x's prefetch (nothing to wait for on CPU)."""
+    """The compute stream waits for x's prefetch (nothing to wait for on CPU). Declared as writing x (the copy
+    lands in it when the wait returns), as inflight.wait_collective writes its buffers: an op that returns
+    nothing and writes nothing is dead code to a compiler (inductor dropped every wait of a compiled step's
+    backward), and no reader of x may move above it."""
     event = _pending.pop(x.data_ptr(), None) if x.device.type == "cuda" else None
     if event is not None:
         torch.cuda.current_stream(x.device).wait_event(event)
