@@ -8,23 +8,27 @@
 #  2. correctness at real sizes against float64 (bf16 / fp16 / fp32; a kernel's worst element within
 #     2x SDPA's own), in parallel with the CUDA tests in tests/gpu/
 #  3. the whole step on this GPU (bench/gpu_step.py): Llama 3.2 1B's shapes (4 layers), bf16, s = 32K, sp 1: the
-#     plan at budgets 1.0 / 0.5 / least, the least untiled, the least with activations offloaded through the pinned
-#     pool on a side stream, 0.5 compiled by inductor; torch.cuda.max_memory_allocated against plan.peak_bytes, step
-#     time against eager at 0.5
+#     plan at budgets 1.0 / 0.5 / least, the least untiled, 0.5 with activations offloaded through the pinned pool
+#     on a side stream instead of recomputed (planned as if the host link were free, so that it offloads: 7.14 GiB),
+#     eager and compiled, and 0.5 compiled by inductor; torch.cuda.max_memory_allocated against plan.peak_bytes,
+#     step time against eager at 0.5, the offloaded step against eager 1.0 (the copies' cost once overlapped)
 #  4. the main job: `autosp train` of Llama 3.2 1B (16 layers) at 32K, bf16, AdamW, remat budget 0.3, 2 steps: the
 #     CUDA memory model's predicted peak against torch.cuda.max_memory_allocated, and the step time
 #     (`autosp plan --memory` for the longest length is not run here: it takes minutes of CPU for 16 layers)
 #  5. with GPU_CHECK_TUNE=1, quick autotuning of attention (bench/autotune.py; every candidate checked against
 #     float64 before it is timed) into OUT_DIR/kernel_configs.json, which later steps read; then TFLOP/s forward and
 #     backward against SDPA's FLASH and cuDNN backends (printed last; the speedups over the best backend go to
-#     kernel_configs.json, which decides where the step calls autosp's kernel), Ulysses pack/unpack bandwidth
-#     against a plain copy, and masked_attention's kernel: packed documents against plain causal at the same length
+#     kernel_configs.json, which decides where the step calls autosp's kernel)
+#  6. where the planner itself offloads at the real link's 50 GB/s: 131,072 tokens, 2 layers, the least (3.99 GiB
+#     offloaded, 27 s of planning on the 2-core CPU machine), against the same least recomputing
+#  7. with GPU_CHECK_ALL=1 (both measured on the first H200 run, 2026-12-04): Ulysses pack/unpack bandwidth against
+#     a plain copy, and masked_attention's kernel: packed documents against plain causal at the same length
 #
 # First run: an H200, 2026-12-04, 422 s (bench/RESULTS.md, "The whole step on an H200"). The kernels' scratch the
 # memory model counts is measured apart: `python bench/cuda_workspace.py` (80 s).
 #
-# OUT_DIR holds 8 files: logs.tar.gz (every step's log), summary.txt, kernel_configs.json, a2a_table.md,
-# attention_table.md, masked_table.md, whole_step_table.md, step_table.md (the tarball's listing is in summary.txt).
+# OUT_DIR holds: logs.tar.gz (every step's log), summary.txt, kernel_configs.json, attention_table.md,
+# whole_step_table.md, offload_131k_table.md, step_table.md, and with GPU_CHECK_ALL a2a_table.md, masked_table.md.
 # Each step has its own time limit inside a total budget (GPU_CHECK_BUDGET seconds, default 570); a step that runs out
 # of time, or finds no time left, is named as cut. Exit status: 0 only if every step passed.
 set -uo pipefail
@@ -105,8 +109,8 @@ tail -n 3 "$LOGS/pytest_cuda.log" | sed 's/^/   | /'
 #    offloaded, compiled (last: inductor's cold compile is the longest), each against its plan's peak and against
 #    eager at 0.5. The full log is kept; the table is cut from it in the summary, so a step cut by its limit still
 #    shows its rows.
-run_step whole_step 150 "$PY" bench/gpu_step.py --seq 32768 --layers 4 --out "$LOGS/whole_step" \
-  --configs "eager 1.0,eager 0.5,eager least,eager least untiled,offload least,compiled 0.5"
+run_step whole_step 200 "$PY" bench/gpu_step.py --seq 32768 --layers 4 --out "$LOGS/whole_step" \
+  --configs "eager 1.0,eager 0.5,eager least,eager least untiled,offload 0.5 fast link,compiled 0.5,compiled offload 0.5 fast link"
 
 # 4. the main job on this GPU: `autosp train`, Llama 3.2 1B (16 layers) at 32K, bf16, AdamW, remat budget 0.3:
 #    the predicted peak per rank against torch.cuda.max_memory_allocated, and the step time. Its checkpoint goes to
@@ -122,11 +126,20 @@ if [ -n "${GPU_CHECK_TUNE:-}" ]; then   # 40 s did not finish the backward's sea
   run_step autotune_attention 90 "$PY" bench/autotune.py --kernels fwd,bwd --seqs 16384 --rep-ms 25
 fi
 run_step table 60 "$PY" bench/bench_kernels.py table --out "$OUT/attention_table.md"
-run_step a2a 30 "$PY" bench/bench_kernels.py a2a --out "$OUT/a2a_table.md"
-run_step masked 30 "$PY" bench/bench_kernels.py masked --out "$OUT/masked_table.md"
 
-sed -n '/^| configuration/,$p' "$LOGS/whole_step.log" > "$OUT/whole_step_table.md"
-[ -s "$OUT/whole_step_table.md" ] || grep '^{"config"' "$LOGS/whole_step.log" > "$OUT/whole_step_table.md"
+# 6. the planner's own offload at the real link (the least at 131,072 tokens, 2 layers) against recomputing
+run_step offload_131k 100 "$PY" bench/gpu_step.py --seq 131072 --layers 2 --out "$LOGS/offload_131k" \
+  --configs "eager least,offload least"
+
+if [ -n "${GPU_CHECK_ALL:-}" ]; then
+  run_step a2a 30 "$PY" bench/bench_kernels.py a2a --out "$OUT/a2a_table.md"
+  run_step masked 30 "$PY" bench/bench_kernels.py masked --out "$OUT/masked_table.md"
+fi
+
+for t in whole_step offload_131k; do
+  sed -n '/^| configuration/,$p' "$LOGS/$t.log" > "$OUT/${t}_table.md" 2>/dev/null
+  [ -s "$OUT/${t}_table.md" ] || grep '^{"config"' "$LOGS/$t.log" > "$OUT/${t}_table.md" 2>/dev/null
+done
 grep -E '^autosp train|predicted peak|trained steps|measured peak|Error|error' "$LOGS/step.log" | sed 's/\r.*//' \
   > "$OUT/step_table.md"
 
@@ -142,6 +155,7 @@ tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
   [ -f "$OUT/masked_table.md" ] && cat "$OUT/masked_table.md" && echo
   [ -f "$OUT/step_table.md" ] && cat "$OUT/step_table.md" && echo
   [ -f "$OUT/whole_step_table.md" ] && cat "$OUT/whole_step_table.md" && echo
+  [ -s "$OUT/offload_131k_table.md" ] && echo "131,072 tokens, 2 layers:" && cat "$OUT/offload_131k_table.md" && echo
   if [ -f "$OUT/attention_table.md" ]; then
     cat "$OUT/attention_table.md"
   else

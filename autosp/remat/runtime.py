@@ -61,6 +61,16 @@ def memory_cuts(timeline, limit: int) -> list[int]:
     return cuts
 
 
+def offload_cuts(graph) -> list[int]:
+    """A cut after every offload of a compiled program: the value it copies out must go back to the allocator,
+    not to inductor. On a GPU the copy to the host runs on a side stream after the offload returns, and the value's
+    memory may be used again only once it is done: the caching allocator knows (the op records the side stream on
+    the value), but inductor reuses a dead buffer of its own for a later kernel's output directly, which would
+    overwrite the value while it is still being copied. Ending the segment at the offload leaves no later kernel
+    in it, and the segment's end hands its dead buffers to the allocator."""
+    return [k + 1 for k, e in enumerate(graph.eqns) if e.op.name == "offload" and k + 1 < len(graph.eqns)]
+
+
 class Runner:
     """The compiled step: lowered forward and (boxed) backward, with the boundary's bookkeeping."""
 
@@ -74,7 +84,8 @@ class Runner:
             from autosp.ir.inductor import Compiled
             from autosp.remat.plan import simulate_step
             mem = simulate_step(program, device)
-            self.forward = Compiled(program.forward, cuts=memory_cuts(mem.forward, mem.peak))
+            self.forward = Compiled(program.forward, cuts=memory_cuts(mem.forward, mem.peak)
+                                    + offload_cuts(program.forward))
             self.backward = Compiled(program.backward, cuts=memory_cuts(mem.backward, mem.peak))
         else:
             self.forward = lower(program.forward)

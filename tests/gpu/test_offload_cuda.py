@@ -25,3 +25,20 @@ def test_pinned_buffers_are_reused_across_steps_and_copies_stay_exact():
         O.wait(back)
         assert torch.equal(back, want)
     assert len(set(ptrs)) == 1, ptrs
+
+
+def test_a_value_freed_right_after_its_offload_is_not_overwritten_while_it_is_copied_out():
+    """The offload returns before its copy to the host is done (side stream): the value's memory must not be handed
+    to the next kernel's output until then (the op records the side stream on it; compiled programs end a segment
+    at each offload so that inductor does not reuse the buffer itself: autosp.remat.runtime.offload_cuts)."""
+    from autosp.remat import offload as O
+    for _ in range(3):
+        x = torch.randn(4096, 8192, device="cuda")         # 128 MiB: milliseconds over the host link
+        want = x.cpu()
+        h = O.offload(x)
+        del x
+        junk = torch.full((4096, 8192), float("nan"), device="cuda")   # the freed block's next use, at once
+        back = O.prefetch(h, "cuda")
+        O.wait(back)
+        assert torch.equal(back.cpu(), want)
+        del junk, back, h
