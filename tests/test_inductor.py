@@ -41,13 +41,13 @@ def _job(rank, world, s):
             with _Calls() as calls:                             # the compiled code's calls of autosp's offload ops
                 vg(params, ids, labels)
             counts[budget] = calls.counts
-            # each offload ends its compiled segment (runtime.offload_cuts): nothing inductor runs after it in the
-            # segment could take the value's memory while a GPU's side stream still copies it out
+            # only offloads follow an offload in its compiled segment (runtime.offload_cuts): no kernel inductor runs
+            # after it there could take the value's memory while a GPU's side stream still copies it out
             (runner,) = [r for _, r, _, _ in vg.sharded._cache.values()]
             fwd = runner.forward
-            counts[budget]["offload last in its segment"] = all(
-                fwd.graph.eqns[b - 1].op.name == "offload" for seg in fwd.segments for a, b in [seg.span]
-                if any(e.op.name == "offload" for e in fwd.graph.eqns[a:b]))
+            counts[budget]["offloads end their segments"] = all(
+                all(e.op.name == "offload" for e in fwd.graph.eqns[k:b]) for seg in fwd.segments
+                for a, b in [seg.span] for k in range(a, b) if fwd.graph.eqns[k].op.name == "offload")
         measured, _ = peak_bytes(lambda: vg(params, ids, labels))
         plan = vg.sharded.plan(autosp.api._differentiable(params), ids, labels)
         assert (plan.offload_bytes > 0) == (host is not None), plan
@@ -82,7 +82,8 @@ def test_the_compiled_step_is_exact_and_keeps_the_plan():
         # every value prefetched is waited for before it is read: a wait that writes nothing and returns nothing
         # was dead code to inductor (on a GPU its readers would have raced the copy back)
         for budget, c in counts.items():
-            assert c["offload"] == c["prefetch"] == c["wait"] > 0 and c["offload last in its segment"], (rank, budget, c)
+            assert c["offload"] == c["prefetch"] == c["wait"] > 0, (rank, budget, c)
+            assert c["offloads end their segments"], (rank, budget, c)
     for rank, (_, peaks, _) in enumerate(results):
         print(f"rank {rank}: " + "; ".join(f"budget {b}: measured {m:,} B, plan {p:,} B ({(m - p) / p:+.2%})"
                                           for b, m, p in peaks))

@@ -67,8 +67,11 @@ def offload_cuts(graph) -> list[int]:
     memory may be used again only once it is done: the caching allocator knows (the op records the side stream on
     the value), but inductor reuses a dead buffer of its own for a later kernel's output directly, which would
     overwrite the value while it is still being copied. Ending the segment at the offload leaves no later kernel
-    in it, and the segment's end hands its dead buffers to the allocator."""
-    return [k + 1 for k, e in enumerate(graph.eqns) if e.op.name == "offload" and k + 1 < len(graph.eqns)]
+    in it, and the segment's end hands its dead buffers to the allocator. Offloads one after another share a cut
+    (the later ones make host tensors only)."""
+    eqns = graph.eqns
+    return [k + 1 for k, e in enumerate(eqns) if e.op.name == "offload" and k + 1 < len(eqns)
+            and eqns[k + 1].op.name != "offload"]
 
 
 class Runner:
