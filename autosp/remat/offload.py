@@ -11,9 +11,15 @@ milliseconds and serialises with the device. On CPU the host buffers come from n
 not torch's: what torch allocates stands for the device's memory (the profiler's allocation events
 measure it), and the host copies stay out of it, as a GPU's pinned buffers stay out of its
 allocator, so the memory model (device bytes only) is what is measured on both.
+
+`deferred()` makes the CPU path as late as a GPU's side stream may be, to test on the CPU what only a GPU would
+show: an offload's copy out happens only when the backward's first prefetch comes (its value must still hold what
+it held: nothing may take its memory meanwhile, as inductor's buffer reuse would), and a prefetch returns NaN (an
+integer's least value) that its copy back replaces only at the `wait` (a reader not behind its wait reads it).
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -84,10 +90,37 @@ _host_pool = _HostPool()                  # the CPU path's copies
 _pinned_pool = _HostPool(pin=True)        # a GPU's; allocates (and pins) only when a GPU offloads
 
 
+_late: list | None = None                 # deferred(): [(value, host copy) not yet copied out]
+_landing: dict[int, tuple] = {}          # deferred(): data_ptr of a prefetched value -> (value, its host copy)
+
+
+@contextlib.contextmanager
+def deferred():
+    """The CPU path's copies made as late as a GPU's asynchronous ones may be (the module's docstring): for tests."""
+    global _late
+    _late = []
+    try:
+        yield
+    finally:
+        _late = None
+        _landing.clear()
+
+
+def _copy_out_late() -> None:
+    """deferred(): the offloads' copies out, due before anything reads their host copies."""
+    while _late:
+        x, host = _late.pop(0)
+        host.copy_(x)
+
+
 @torch.library.custom_op("autosp::offload", mutates_args=())
 def offload(x: Tensor) -> Tensor:
     """A host copy of x (pinned, asynchronous on a side stream on CUDA; from a reused pool on both)."""
     if x.device.type != "cuda":
+        if _late is not None:
+            host = _host_pool.take(x)
+            _late.append((x, host))       # x held, as the GPU's allocator holds it for the side stream
+            return host
         return _host_pool.copy(x)
     side = _stream(x.device)
     side.wait_stream(torch.cuda.current_stream(x.device))
@@ -114,6 +147,13 @@ def prefetch(h: Tensor, device: str) -> Tensor:
     """The host copy back on `device` (asynchronous on the side stream on CUDA; `wait` before use)."""
     dev = torch.device(device)
     if dev.type != "cuda":
+        if _late is not None:
+            _copy_out_late()
+            poison = (float("nan") if h.is_floating_point() else
+                      torch.iinfo(h.dtype).min if h.dtype != torch.bool and not h.is_complex() else 0)
+            out = torch.full_like(h, poison)
+            _landing[out.data_ptr()] = (out, h)
+            return out
         return h.clone()
     side = _stream(dev)
     with torch.cuda.stream(side):
@@ -140,7 +180,12 @@ def wait(x: Tensor) -> None:
     lands in it when the wait returns), as inflight.wait_collective writes its buffers: an op that returns
     nothing and writes nothing is dead code to a compiler (inductor dropped every wait of a compiled step's
     backward), and no reader of x may move above it."""
-    event = _pending.pop(x.data_ptr(), None) if x.device.type == "cuda" else None
+    if x.device.type != "cuda":
+        landing = _landing.pop(x.data_ptr(), None)
+        if landing is not None:
+            x.copy_(landing[1])
+        return
+    event = _pending.pop(x.data_ptr(), None)
     if event is not None:
         torch.cuda.current_stream(x.device).wait_event(event)
 
