@@ -1,15 +1,17 @@
 """compile=True: each rank's programs through inductor, exact against one device, the remat plan kept.
 
-One 2-rank job (a 2-layer Llama-style model, s=256) compiles the step at budgets 1.0, 0.5 (with offload to the
-host) and the least the planner accepts, and through autosp.compile: fp32 loss and gradients against the single
-device on every rank, and the profiler's peak against plan.peak_bytes. The programs are compiled in segments cut where
+One 2-rank job (a 2-layer Llama-style model, s=256) compiles the step at budgets 1.0, 0.5 (with offload to the host)
+and the least the planner accepts, and through autosp.compile: fp32 loss and gradients against the single device on
+every rank, and the profiler's peak against plan.peak_bytes. The programs are compiled in segments cut where
 inductor's fusion could take them above the plan (autosp.remat.runtime.memory_cuts); what stays is inductor's own:
 the loss's fused reductions keep a few values per position that eager's ops do not (+9 B a position). Measured:
-+0.08 % at 1.0, +0.16 % at 0.5 (offloading), +8 B at the least budget (the loss's seed, outside the program, as eager). Held:
-at most 0.2 % over, 5 % under, and the least budget passed by no more than the seed. (Until this was measured the
-step cloned every gradient before summing it over sp, in case compiled code returned one buffer twice: +2.2 % at
-the least budget; it now looks at the storages. Unsegmented, two fused multiplies of the MLP's backward held an
-input eager frees: +8.8 % at 0.5, s=512.)
++0.08 % at 1.0, +0.16 % at 0.5 (offloading), +8 B at the least budget (the loss's seed, outside the program, as
+eager). Held: at most 0.2 % over, 5 % under, and the least budget passed by no more than the seed. (Until this was
+measured the step cloned every gradient before summing it over sp, in case compiled code returned one buffer twice:
++2.2 % at the least budget; it now looks at the storages. Unsegmented, two fused multiplies of the MLP's backward
+held an input eager frees: +8.8 % at 0.5, s=512.) With offload, the compiled code calls every wait (inductor once
+dropped them all), each offload ends its segment (runtime.offload_cuts), and a step with the copies as late as a
+GPU's (offload.deferred) is exact.
 """
 import pytest
 import torch
