@@ -14,13 +14,14 @@
 #     step time against eager at 0.5, the offloaded step against eager 1.0 (the copies' cost once overlapped)
 #  4. where the planner itself offloads at the real link's 50 GB/s: 131,072 tokens, 2 layers, the least (3.99 GiB
 #     offloaded, 27 s of planning on the 2-core CPU machine), against the same least recomputing
-#  5. the main job: `autosp train` of Llama 3.2 1B (16 layers) at 32K, bf16, AdamW, remat budget 0.3, 2 steps: the
-#     CUDA memory model's predicted peak against torch.cuda.max_memory_allocated, and the step time
-#     (`autosp plan --memory` for the longest length is not run here: it takes minutes of CPU for 16 layers)
-#  6. with GPU_CHECK_TUNE=1, quick autotuning of attention (bench/autotune.py; every candidate checked against
+#  5. with GPU_CHECK_TUNE=1, quick autotuning of attention (bench/autotune.py; every candidate checked against
 #     float64 before it is timed) into OUT_DIR/kernel_configs.json, which later steps read; then TFLOP/s forward and
 #     backward against SDPA's FLASH and cuDNN backends (printed last; the speedups over the best backend go to
 #     kernel_configs.json, which decides where the step calls autosp's kernel)
+#  6. the main job: `autosp train` of Llama 3.2 1B (16 layers) at 32K, bf16, AdamW, remat budget 0.3, 2 steps: the
+#     CUDA memory model's predicted peak against torch.cuda.max_memory_allocated, and the step time (last but for 7:
+#     the first run measured it, +0.14 %; what is new comes first)
+#     (`autosp plan --memory` for the longest length is not run here: it takes minutes of CPU for 16 layers)
 #  7. with GPU_CHECK_ALL=1 (both measured on the first H200 run, 2026-12-04): Ulysses pack/unpack bandwidth against
 #     a plain copy, and masked_attention's kernel: packed documents against plain causal at the same length
 #
@@ -109,14 +110,21 @@ tail -n 3 "$LOGS/pytest_cuda.log" | sed 's/^/   | /'
 #    offloaded, compiled (last: inductor's cold compile is the longest), each against its plan's peak and against
 #    eager at 0.5. The full log is kept; the table is cut from it in the summary, so a step cut by its limit still
 #    shows its rows.
-run_step whole_step 240 "$PY" bench/gpu_step.py --seq 32768 --layers 4 --out "$LOGS/whole_step" \
-  --configs "eager 1.0,eager 0.5,eager least,eager least untiled,offload 0.5 fast link,compiled 0.5,compiled offload 0.5 fast link"
+STEP_CONFIGS="eager 1.0,eager 0.5,eager least,eager least untiled,offload 0.5 fast link,compiled 0.5"
+STEP_CONFIGS+=",compiled offload 0.5 fast link"
+run_step whole_step 240 "$PY" bench/gpu_step.py --seq 32768 --layers 4 --out "$LOGS/whole_step" --configs "$STEP_CONFIGS"
 
 # 4. the planner's own offload at the real link (the least at 131,072 tokens, 2 layers) against recomputing
 run_step offload_131k 100 "$PY" bench/gpu_step.py --seq 131072 --layers 2 --out "$LOGS/offload_131k" \
   --configs "eager least,offload least"
 
-# 5. the main job on this GPU: `autosp train`, Llama 3.2 1B (16 layers) at 32K, bf16, AdamW, remat budget 0.3:
+# 5. quick autotuning of attention at one length (other lengths use the nearest tuned bucket), then the benchmarks
+if [ -n "${GPU_CHECK_TUNE:-}" ]; then   # 40 s did not finish the backward's search on the first H200 run
+  run_step autotune_attention 90 "$PY" bench/autotune.py --kernels fwd,bwd --seqs 16384 --rep-ms 25
+fi
+run_step table 60 "$PY" bench/bench_kernels.py table --out "$OUT/attention_table.md"
+
+# 6. the main job on this GPU: `autosp train`, Llama 3.2 1B (16 layers) at 32K, bf16, AdamW, remat budget 0.3:
 #    the predicted peak per rank against torch.cuda.max_memory_allocated, and the step time. Its checkpoint goes to
 #    /dev/shm (a 1B model's AdamW state is about 20 GB; the disk's speed is not what is measured).
 RUNS=/dev/shm; [ -w "$RUNS" ] || RUNS="$LOGS"
@@ -124,12 +132,6 @@ RUNS="$(mktemp -d "$RUNS/autosp_train.XXXX")"
 run_step step 120 "$PY" -m autosp train --model llama-3.2-1b --sp 1 --device cuda --seq-len 32768 \
   --memory-budget 0.3 --steps 2 --out "$RUNS/run"
 rm -rf "$RUNS"
-
-# 6. quick autotuning of attention at one length (other lengths use the nearest tuned bucket), then the benchmarks
-if [ -n "${GPU_CHECK_TUNE:-}" ]; then   # 40 s did not finish the backward's search on the first H200 run
-  run_step autotune_attention 90 "$PY" bench/autotune.py --kernels fwd,bwd --seqs 16384 --rep-ms 25
-fi
-run_step table 60 "$PY" bench/bench_kernels.py table --out "$OUT/attention_table.md"
 
 if [ -n "${GPU_CHECK_ALL:-}" ]; then
   run_step a2a 30 "$PY" bench/bench_kernels.py a2a --out "$OUT/a2a_table.md"
