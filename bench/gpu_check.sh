@@ -112,7 +112,8 @@ tail -n 3 "$LOGS/pytest_cuda.log" | sed 's/^/   | /'
 #    shows its rows.
 STEP_CONFIGS="eager 1.0,eager 0.5,eager least,eager least untiled,offload 0.5 fast link,compiled 0.5"
 STEP_CONFIGS+=",compiled offload 0.5 fast link"
-run_step whole_step 240 "$PY" bench/gpu_step.py --seq 32768 --layers 4 --out "$LOGS/whole_step" --configs "$STEP_CONFIGS"
+run_step whole_step 240 "$PY" bench/gpu_step.py --seq 32768 --layers 4 --configs "$STEP_CONFIGS" \
+  --out "$LOGS/whole_step"
 
 # 4. the planner's own offload at the real link (the least at 131,072 tokens, 2 layers) against recomputing
 run_step offload_131k 100 "$PY" bench/gpu_step.py --seq 131072 --layers 2 --out "$LOGS/offload_131k" \
