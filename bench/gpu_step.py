@@ -9,6 +9,8 @@ them, 4 by default so that inductor compiles it within the GPU check's budget), 
     eager least        the least peak the planner reaches
     eager least untiled  the least with tiles={} (no chain tiled): what tiling buys
     compiled 0.5       0.5 through inductor (compile=True)
+    compiled 1.0, compiled least  the same at 1.0 and at the least (not in bench/gpu_check.sh: at the least the
+                       program is cut into many segments, each compiled cold: 38 in the forward at 32K)
     offload least      the least with activations offloaded through the pinned pool on a side stream, the host
                        link taken as 50 GB/s: the planner offloads where that is cheaper than recomputing (at 32K
                        it is nowhere; at 131,072 tokens on 2 layers, 3.99 GiB)
@@ -44,6 +46,8 @@ CONFIGS = [
     ("eager least", dict(memory_budget="least")),
     ("eager least untiled", dict(memory_budget="least", tiles={})),
     ("compiled 0.5", dict(memory_budget=0.5, compile=True)),
+    ("compiled 1.0", dict(memory_budget=1.0, compile=True)),
+    ("compiled least", dict(memory_budget="least", compile=True)),
     ("offload least", dict(memory_budget="least", host_bandwidth=5e10)),
     ("offload 0.5 fast link", dict(memory_budget=0.5, host_bandwidth=1e13)),
     ("compiled offload 0.5 fast link", dict(memory_budget=0.5, host_bandwidth=1e13, compile=True)),
