@@ -103,6 +103,13 @@ class Runner:
         # buffer for two outputs: _RematStep.backward looks at their storages then)
         self.copy_grad = _shared_outputs(program.backward)
 
+    def groups(self, i: int) -> tuple[str, ...]:
+        """The groups input i's gradient is summed over, less those of one rank (a sum over one rank changes
+        nothing, and its in-place all-reduce would want contiguous memory)."""
+        if not hasattr(self, "_groups"):
+            self._groups = {j: tuple(g for g in gs if dist.get_world_size(_pg(g)) > 1) for j, gs in self.sync.items()}
+        return self._groups.get(i, ())
+
     def run_forward(self, primals) -> list:
         return self.forward(list(primals)) if self.compiled else self.forward(*primals)
 
@@ -152,14 +159,27 @@ class _RematStep(torch.autograd.Function):
         out = [None] * run.n_primals
         posted = []
         for i, g, copy in zip(run.diff_inputs, grads, copy_grad):
-            groups = run.sync.get(i, ())
-            if groups and (copy or not g.is_contiguous()):
-                g = g.clone(memory_format=torch.contiguous_format)     # all_reduce works in place
+            groups = run.groups(i)
             if groups:                # every sum posted before the first is waited: they overlap one another
-                posted.append((g, list(groups)))
+                # all_reduce works in place on contiguous memory: a matmul's gradient is a transposed view of its
+                # own dense block, summed as that block; a clone (memory the plan does not hold) only where the
+                # storage is shared or not one block
+                dense = None if copy else _dense_view(g)
+                if dense is None:
+                    g = dense = g.clone(memory_format=torch.contiguous_format)
+                posted.append((dense, list(groups)))
             out[i] = g
         _all_reduce_posted(posted)
         return (None, *out)
+
+
+def _dense_view(g: torch.Tensor) -> torch.Tensor | None:
+    """g, or its dimensions reordered so that the view is contiguous (the same memory, e.g. the transpose of a
+    matmul's output); None if no order is (a slice, a broadcast)."""
+    if g.is_contiguous():
+        return g
+    v = g.permute(sorted(range(g.dim()), key=lambda d: -g.stride(d)))
+    return v if v.is_contiguous() else None
 
 
 def _all_reduce_posted(posted: list) -> None:
@@ -185,12 +205,13 @@ def _key(t: torch.Tensor) -> int:
 
 
 def _shared_outputs(graph) -> list[bool]:
-    """Per output: True if its storage is not the program's own (an input, a view, or shared with
-    another output), so an in-place all-reduce on it would change something else."""
+    """Per output: True if its storage is not its own (an input's, or shared with another output), so an in-place
+    all-reduce on it would change something else. A view of a storage the program made for it alone (a matmul's
+    gradient transposed) is its own: once the program returns nothing else lives in it."""
     from autosp.ir.aliases import roots
     root = roots(graph)
     inputs = {v.name for v in graph.inputs}
     seen: dict[str, int] = {}
     for o in graph.outputs:
         seen[root[o.name]] = seen.get(root[o.name], 0) + 1
-    return [root[o.name] in inputs or root[o.name] != o.name or seen[root[o.name]] > 1 for o in graph.outputs]
+    return [root[o.name] in inputs or seen[root[o.name]] > 1 for o in graph.outputs]
