@@ -40,6 +40,8 @@ def _job(rank, world, s):
                                    host_memory=2**20 if host else None, compile=True)
         loss, grads = vg(params, ids, labels)                   # compiles
         errors[f"budget {budget}"] = rank_errors(loss, grads, ref_loss, ref_grads)
+        # each gradient in its parameter's layout, whatever inductor's code returned (fused optimizers need it)
+        assert all(grads[k].stride() == params[k].stride() for k in params), budget
         if host:
             with _Calls() as calls:                             # the compiled code's calls of autosp's offload ops
                 vg(params, ids, labels)

@@ -169,7 +169,14 @@ class _RematStep(torch.autograd.Function):
                     g = dense = g.clone(memory_format=torch.contiguous_format)
                 posted.append((dense, list(groups)))
             out[i] = g
+        grads = g = dense = None
         _all_reduce_posted(posted)
+        posted = None
+        for i, g in enumerate(out):   # each in its parameter's layout: a fused optimizer reads the memory as it is
+            if isinstance(g, torch.Tensor) and not g.is_contiguous():
+                out[i] = None         # one at a time, its first form let go as its copy is made
+                out[i] = g.contiguous()
+            del g
         return (None, *out)
 
 
