@@ -1,7 +1,7 @@
 """What `autosp train --compile` costs at its first step, cold and warm: inductor's on-disk cache empty, then the
 same run again with the cache the first one filled.
 
-    .venv/bin/python bench/compile_cost.py [--model tiny --sp 2 --seq-len 4096 --runs 2]
+    .venv/bin/python bench/compile_cost.py [--model tiny --sp 2 --seq-len 4096 --runs 2 --memory 24MiB]
 
 Each run is `autosp train --model MODEL --sp SP --seq-len L --batch 1 --steps 2 --compile` in a fresh run folder,
 with TORCHINDUCTOR_CACHE_DIR pointing at one temporary folder for all runs (empty before the first); the figures are
@@ -31,6 +31,7 @@ def main(argv=None) -> None:
     ap.add_argument("--sp", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--runs", type=int, default=2, help="the first cold, the rest warm")
+    ap.add_argument("--memory", default=None, help="per-rank memory, as autosp train --memory (default: none, no plan)")
     a = ap.parse_args(argv)
     print(f"# {command(__file__, argv)}", flush=True)
     rows = []
@@ -41,7 +42,7 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()
             p = subprocess.run([sys.executable, "-m", "autosp", "train", "--model", a.model, "--sp", str(a.sp),
                                 "--seq-len", str(a.seq_len), "--batch", "1", "--steps", "2", "--compile", "--out", out,
-                                "--timeout", "1200"], capture_output=True, text=True, env=env, cwd=ROOT)
+                                "--timeout", "1200", *(["--memory", a.memory] if a.memory else [])], capture_output=True, text=True, env=env, cwd=ROOT)
             wall = time.perf_counter() - t0
             if p.returncode != 0:
                 sys.exit(f"run {n} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")

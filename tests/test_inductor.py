@@ -119,3 +119,88 @@ def test_memory_cuts_keep_each_segments_worst_case_under_the_limit():
         worst = live + sum(max(0, during[k] - (after[k - 1] if k else 0)) for k in range(a, b))
         assert worst <= 100, (cuts, a, b, worst)
     assert cuts == [5] and memory_cuts(t, 10**9) == [] and len(memory_cuts(t, 60)) > 1
+
+
+def _layers(prefix: int, body: list[str], count: int, suffix: int):
+    """Equations as template.repeats reads them: `count` layers of the ops `body` between a prefix and a suffix."""
+    from types import SimpleNamespace as N
+    from autosp.ir.core import Var
+    x = Var("x", torch.float32, (4, 8))
+
+    def eqn(name):
+        return N(op=N(name=name), args=(), kwargs=(), inputs=(x,), outputs=(x,))
+    return ([eqn(f"pre{k}") for k in range(prefix)] + [eqn(op) for _ in range(count) for op in body]
+            + [eqn(f"post{k}") for k in range(suffix)])
+
+
+def test_repeated_layers_are_found_and_cut_alike_each_under_the_limit():
+    """template.repeats finds the layers of a program; memory_cuts then cuts each layer where the worst of them
+    needs it (so that inductor compiles one layer's segments and the others reuse them), and every segment of every
+    layer stays under the limit. Memory grows layer by layer here, as in a forward: alone, each layer is cut elsewhere."""
+    from autosp.remat.liveness import Timeline
+    from autosp.remat.runtime import memory_cuts
+    from autosp.remat.template import repeats
+    body = ["mm", "add", "mul", "mm", "add", "relu"]
+    eqns = _layers(3, body, 4, 2)
+    assert repeats(eqns) == [(3, 6, 4)]
+    assert repeats(_layers(3, body, 1, 2)) == []
+    # live after each equation: each layer makes 4 x 10 B and frees 2 x 10 B, keeping 20 B more than the last
+    after, during, live = [], [], 0
+    for e in eqns:
+        step = {"mm": 10, "mul": 10, "relu": -10, "add": -5}.get(e.op.name, 0)
+        during.append(live + max(step, 0) + 3)        # a few bytes of scratch while it runs
+        live += step
+        after.append(live)
+    t, limit = Timeline(start=0, after=tuple(after), during=tuple(during), end=after[-1]), 60
+    plain, aligned = memory_cuts(t, limit), memory_cuts(t, limit, eqns)
+    phases = [sorted((c - 3) % 6 for c in aligned if 3 + 6 * j <= c < 3 + 6 * (j + 1)) for j in range(4)]
+    assert all(p == phases[0] for p in phases) and 0 in phases[0], (aligned, phases)
+    assert len({tuple((c - 3) % 6 for c in plain if 3 + 6 * j <= c < 3 + 6 * (j + 1)) for j in range(4)}) > 1, plain
+    for cuts in (plain, aligned):
+        bounds = [0, *cuts, len(eqns)]
+        for a, b in zip(bounds, bounds[1:]):
+            worst = (after[a - 1] if a else 0) + sum(max(0, during[k] - (after[k - 1] if k else 0)) for k in range(a, b))
+            assert worst <= limit, (cuts, a, b, worst)
+
+
+def _repeated_job(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from autosp.memory import peak_bytes
+    from autosp.remat.template import repeats
+    from tests.models import batch, llama_loss, params_of, rank_errors, reference, tiny_llama
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
+    torch.manual_seed(0)
+    model = tiny_llama(layers=4, hidden=32, heads=4, kv_heads=2, vocab=64)
+    fn, params = llama_loss(model), params_of(model)
+    ids, labels = batch(1, 128, 64, pad=3)
+    ref_loss, ref_grads = reference(fn, params, ids, labels)
+    vg = autosp.value_and_grad(fn, mesh, memory_budget="least", compile=True)
+    loss, grads = vg(params, ids, labels)
+    errors = {"least, 4 layers": rank_errors(loss, grads, ref_loss, ref_grads)}
+    measured, _ = peak_bytes(lambda: vg(params, ids, labels))
+    plan = vg.sharded.plan(autosp.api._differentiable(params), ids, labels)
+    (runner,) = [r for _, r, _, _ in vg.sharded._cache.values()]
+    layers = {}
+    for name, prog in (("forward", runner.forward), ("backward", runner.backward)):
+        start, period, count = max(repeats(prog.graph.eqns), key=lambda r: r[1] * r[2])
+        # each layer's segments, as the compiled code they call
+        layers[name] = [[id(seg.fn) for seg in prog.segments if start + j * period <= seg.span[0]
+                         and seg.span[1] <= start + (j + 1) * period] for j in range(count)]
+        layers[name + " compiled"] = (prog.unique, len(prog.segments))
+    return errors, (measured, plan.peak_bytes), layers
+
+
+def test_a_repeated_layer_is_compiled_once():
+    """At the least budget a program is cut into many segments, and each layer's cuts fell elsewhere (memory grows
+    layer by layer): each layer was code of its own for inductor. Cut alike (runtime.memory_cuts), the repeated
+    layers' segments are compiled once and called for each layer (ir.inductor keys a segment by its equations and
+    its inputs); still exact and within the plan."""
+    reports = run_ranks(_repeated_job, 2)
+    assert_every_rank([errors for errors, _, _ in reports])
+    for rank, (_, (measured, least), layers) in enumerate(reports):
+        assert measured <= least + 16, f"rank {rank}: the least budget {least:,} B passed: measured {measured:,} B"
+        for name in ("forward", "backward"):
+            segs = layers[name]
+            assert len(segs) >= 3 and segs[0] and all(s == segs[0] for s in segs), (rank, name, segs)
+            unique, total = layers[name + " compiled"]
+            assert unique <= total - (len(segs) - 1) * len(segs[0]), (rank, name, unique, total)

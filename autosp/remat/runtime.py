@@ -21,6 +21,7 @@ import torch.fx as fx
 from autosp.collectives import _pg
 from autosp.ir.lower import lower
 from autosp.passes.autodiff import Joint, StepBoundary
+from autosp.remat import template
 from autosp.remat.apply import Program
 
 
@@ -42,22 +43,46 @@ def lower_boxed(graph) -> fx.GraphModule:
     return gm
 
 
-def memory_cuts(timeline, limit: int) -> list[int]:
+def memory_cuts(timeline, limit: int, eqns=None) -> list[int]:
     """Where to cut a program compiled by inductor (autosp.ir.inductor) so that it stays under `limit` bytes however
     inductor fuses and orders the equations of a segment: at worst a segment makes all its values first and frees
     what it frees last, so a segment ends before the equation that would take that worst case above the limit.
     `timeline`: the program's (autosp.remat.liveness.Timeline). Where memory is far below the limit a segment is
     long; near the peak, cuts come often (a recomputation fused with an earlier layer's kernel would run earlier
-    than planned, and two kernels fused hold the inputs the first would have freed)."""
-    cuts, live = [], timeline.start              # live: bytes before equation k
-    worst = live                                 # the segment's worst case so far
-    for k, (during, after) in enumerate(zip(timeline.during, timeline.after)):
-        made = max(0, during - live)
-        if k and worst + made > limit:
+    than planned, and two kernels fused hold the inputs the first would have freed).
+
+    With the program's `eqns`, repeated layers (template.repeats) are cut alike, so that inductor compiles a layer's
+    segments once and the other layers reuse them (ir.inductor): memory grows layer by layer in a forward and falls
+    in a backward, so otherwise each layer's cuts fall elsewhere and each layer is different code. Each layer then
+    starts a segment and is cut as the worst of them would be, equation by equation (the most live before it, the
+    most it makes), which keeps every one under the limit; layers that need no cut of their own are left to the
+    plain rule. More cuts than each layer needs alone (8 layers of the tests' Llama at s = 1024: 155 segments in the
+    backward instead of 130 at the least budget, 53 instead of 17 at 1.0), for a step measured no slower (0.5 %) and
+    compiled in a fraction of the time (34 different segments instead of 117)."""
+    live = [timeline.start, *timeline.after[:-1]]                   # bytes before each equation
+    made = [max(0, d - b) for d, b in zip(timeline.during, live)]
+    starts: set[int] = set()
+    for start, period, count in (template.repeats(eqns) if eqns is not None else ()):
+        alike = [range(p, p + count * period, period) for p in range(start, start + period)]   # one per layer
+        worst_live = [max(live[k] for k in ks) for ks in alike]
+        worst_made = [max(made[k] for k in ks) for ks in alike]
+        if not _cut(worst_live, worst_made, limit, set()):
+            continue
+        for j in range(count):
+            live[start + j * period:start + (j + 1) * period] = worst_live
+            made[start + j * period:start + (j + 1) * period] = worst_made
+        starts.update(range(start, start + (count + 1) * period, period))
+    return _cut(live, made, limit, starts)
+
+
+def _cut(live: list[int], made: list[int], limit: int, starts: set[int]) -> list[int]:
+    """memory_cuts' rule: `live` bytes before each equation, `made` while it runs; a cut at each of `starts` too."""
+    cuts, worst = [], live[0] if live else 0      # worst: the segment's worst case so far
+    for k in range(len(live)):
+        if k and (k in starts or worst + made[k] > limit):
             cuts.append(k)
-            worst = live
-        worst += made
-        live = after
+            worst = live[k]
+        worst += made[k]
     return cuts
 
 
@@ -87,9 +112,10 @@ class Runner:
             from autosp.ir.inductor import Compiled
             from autosp.remat.plan import simulate_step
             mem = simulate_step(program, device)
-            self.forward = Compiled(program.forward, cuts=memory_cuts(mem.forward, mem.peak)
+            self.forward = Compiled(program.forward, cuts=memory_cuts(mem.forward, mem.peak, program.forward.eqns)
                                     + offload_cuts(program.forward))
-            self.backward = Compiled(program.backward, cuts=memory_cuts(mem.backward, mem.peak))
+            self.backward = Compiled(program.backward, cuts=memory_cuts(mem.backward, mem.peak,
+                                                                      program.backward.eqns))
         else:
             self.forward = lower(program.forward)
             self.backward = lower_boxed(program.backward)

@@ -142,3 +142,44 @@ def tie(p: IlpProblem, classes: list[int]) -> tuple[IlpProblem, np.ndarray]:
 
 def untie(xt: np.ndarray, cls: np.ndarray) -> np.ndarray:
     return np.asarray(xt)[cls]
+
+
+def repeats(eqns, least: int = 4) -> list[tuple[int, int, int]]:
+    """The runs of repeated layers in a program, as (start, period, count): equations [start + j period,
+    start + (j + 1) period) for j < count are alike equation by equation (op, static arguments, input types), with
+    count >= 2 and period >= `least`. The run covering the most equations first, then the same search before and
+    after it. A lowering that places its cuts alike in each repetition gets the same code for each (runtime.
+    memory_cuts, for inductor's cache)."""
+    keys: dict = {}
+    sig = [keys.setdefault((e.op.name, _static(e), tuple((str(x.dtype), x.shape) for x in e.inputs)), len(keys))
+           for e in eqns]
+    out: list[tuple[int, int, int]] = []
+
+    def search(lo: int, hi: int) -> None:
+        last: dict[int, int] = {}
+        gaps: dict[int, int] = {}
+        for k in range(lo, hi):
+            if sig[k] in last and k - last[sig[k]] >= least:
+                g = k - last[sig[k]]
+                gaps[g] = gaps.get(g, 0) + 1
+            last[sig[k]] = k
+        best = None                                 # (covered, -period, start, period, count)
+        for p in sorted(gaps, key=gaps.get, reverse=True)[:16]:
+            k = lo
+            while k + p < hi:                       # each maximal run [a, k) of sig[i] == sig[i + p]
+                a = k
+                while k + p < hi and sig[k] == sig[k + p]:
+                    k += 1
+                count = (k - a + p) // p            # [a, k + p) holds this many whole periods
+                if count >= 2 and (best is None or (count * p, -p) > best[:2]):
+                    best = (count * p, -p, a, p, count)
+                k += 1
+        if best is None:
+            return
+        _, _, start, p, count = best
+        out.append((start, p, count))
+        search(lo, start)
+        search(start + count * p, hi)
+
+    search(0, len(eqns))
+    return sorted(out)
