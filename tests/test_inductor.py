@@ -142,7 +142,8 @@ def test_repeated_layers_are_found_and_cut_alike_each_under_the_limit():
     from autosp.remat.template import repeats
     body = ["mm", "add", "mul", "mm", "add", "relu"]
     eqns = _layers(3, body, 4, 2)
-    assert repeats(eqns) == [(3, 6, 4)]
+    assert repeats(eqns) == [(3, 6, 4, 0)]
+    assert repeats(_layers(3, body, 4, 2)[:-4] + _layers(0, ["sum", "div"], 0, 2)) == [(3, 6, 3, 4)]   # a last one ends otherwise
     assert repeats(_layers(3, body, 1, 2)) == []
     # live after each equation: each layer makes 4 x 10 B and frees 2 x 10 B, keeping 20 B more than the last
     after, during, live = [], [], 0
@@ -182,7 +183,7 @@ def _repeated_job(rank, world):
     (runner,) = [r for _, r, _, _ in vg.sharded._cache.values()]
     layers = {}
     for name, prog in (("forward", runner.forward), ("backward", runner.backward)):
-        start, period, count = max(repeats(prog.graph.eqns), key=lambda r: r[1] * r[2])
+        start, period, count, _ = max(repeats(prog.graph.eqns), key=lambda r: r[1] * r[2])
         # each layer's segments, as the compiled code they call
         layers[name] = [[id(seg.fn) for seg in prog.segments if start + j * period <= seg.span[0]
                          and seg.span[1] <= start + (j + 1) * period] for j in range(count)]

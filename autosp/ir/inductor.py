@@ -28,9 +28,9 @@ inductor's cache empty: 135 s; staggered, 109 s).
 
 Segments of the same code are compiled once: a repeated layer's segments (memory_cuts cuts the layers alike) are
 the same equations on inputs of the same sizes and strides (`_key`), and each layer calls the one compiled
-function (bench/compile_layers.py, the tests' Llama with 8 layers at s = 1024 and the least budget: 8 + 34 segments
-of different code among 33 + 155; its first call 45 s, where each layer cut as it needed, each segment compiled, took
-97 s). `unique` says how many were compiled.
+function (bench/compile_layers.py, the tests' Llama with 8 layers at s = 1024 and the least budget: 7 + 24 segments
+of different code among 33 + 163, as with 4 layers; its first call 36 s, where each layer cut as it needed, each
+segment compiled, took 97 s). `unique` says how many were compiled.
 
 Inductor's FX graph cache (on disk) makes a second compile of the same program a cache hit: `cache` says
 which it was ("hit", "miss", "mixed" over segments), `seconds` how long it took. Its key includes a digest of

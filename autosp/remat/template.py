@@ -144,16 +144,17 @@ def untie(xt: np.ndarray, cls: np.ndarray) -> np.ndarray:
     return np.asarray(xt)[cls]
 
 
-def repeats(eqns, least: int = 4) -> list[tuple[int, int, int]]:
-    """The runs of repeated layers in a program, as (start, period, count): equations [start + j period,
+def repeats(eqns, least: int = 4) -> list[tuple[int, int, int, int]]:
+    """The runs of repeated layers in a program, as (start, period, count, rest): equations [start + j period,
     start + (j + 1) period) for j < count are alike equation by equation (op, static arguments, input types), with
-    count >= 2 and period >= `least`. The run covering the most equations first, then the same search before and
-    after it. A lowering that places its cuts alike in each repetition gets the same code for each (runtime.
-    memory_cuts, for inductor's cache)."""
+    count >= 2 and period >= `least`, and the `rest` (< period) after them are alike the first `rest` of each (a
+    last layer that ends otherwise, where the next layer's would begin). The run covering the most equations first,
+    then the same search before and after it. A lowering that places its cuts alike in each repetition gets the same
+    code for each (runtime.memory_cuts, for inductor's cache)."""
     keys: dict = {}
     sig = [keys.setdefault((e.op.name, _static(e), tuple((str(x.dtype), x.shape) for x in e.inputs)), len(keys))
            for e in eqns]
-    out: list[tuple[int, int, int]] = []
+    out: list[tuple[int, int, int, int]] = []
 
     def search(lo: int, hi: int) -> None:
         last: dict[int, int] = {}
@@ -170,16 +171,16 @@ def repeats(eqns, least: int = 4) -> list[tuple[int, int, int]]:
                 a = k
                 while k + p < hi and sig[k] == sig[k + p]:
                     k += 1
-                count = (k - a + p) // p            # [a, k + p) holds this many whole periods
-                if count >= 2 and (best is None or (count * p, -p) > best[:2]):
-                    best = (count * p, -p, a, p, count)
+                count, rest = divmod(k - a + p, p)  # [a, k + p) holds this many whole periods, and the rest
+                if count >= 2 and (best is None or (k - a + p, -p) > best[:2]):
+                    best = (k - a + p, -p, a, p, count, rest)
                 k += 1
         if best is None:
             return
-        _, _, start, p, count = best
-        out.append((start, p, count))
+        _, _, start, p, count, rest = best
+        out.append((start, p, count, rest))
         search(lo, start)
-        search(start + count * p, hi)
+        search(start + count * p + rest, hi)
 
     search(0, len(eqns))
     return sorted(out)
