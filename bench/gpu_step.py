@@ -10,7 +10,7 @@ them, 4 by default so that inductor compiles it within the GPU check's budget), 
     eager least untiled  the least with tiles={} (no chain tiled): what tiling buys
     compiled 0.5       0.5 through inductor (compile=True)
     compiled 1.0, compiled least  the same at 1.0 and at the least (not in bench/gpu_check.sh: at the least the
-                       program is cut into many segments near its peak: 46 + 404 at 32K, 19 + 72 different op
+                       program is cut into many segments near its peak: 46 + 419 at 32K, 17 + 61 different op
                        sequences, each compiled cold)
     offload least      the least with activations offloaded through the pinned pool on a side stream, the host
                        link taken as 50 GB/s: the planner offloads where that is cheaper than recomputing (at 32K
