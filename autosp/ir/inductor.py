@@ -39,6 +39,7 @@ reported, so code compiled against other fakes must not be reused.
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 
@@ -190,26 +191,20 @@ class Compiled:
         # every segment compiled before any runs, for what its inputs will be: the program's inputs as they are, the
         # others as the segments that make them say (their graphs' outputs, whose strides compiled code keeps)
         metas = {name: _Meta.of(t) if isinstance(t, torch.Tensor) else t for name, t in env.items()}
-        traced, first = [], {}                     # first: a segment's key -> the first segment with that key
+        traced, outs, first, twins = {}, {}, {}, []    # first: a segment's key -> the first segment of that code
         for j, seg in enumerate(self.segments):
             ins = [metas[n] for n in seg.inputs]
-            key = _key(self.graph, seg, ins)
-            if key in first:                       # the same code for the same inputs (a repeated layer's)
-                twin = first[key]
-                traced.append(twin)
-                outs = traced[twin][-1]
-            else:
-                first[key] = j
-                *one, outs = _decompose(seg.gm, ins)
-                traced.append((*one, outs))
-            metas.update(zip(seg.outputs, outs))
+            twin = first.setdefault(_key(self.graph, seg, ins), j)    # j, or an earlier segment of the same code
+            twins.append(twin)
+            if twin == j:
+                gm, fakes, context, outs[j] = _decompose(seg.gm, ins)
+                traced[j] = (gm, fakes, context)
+            metas.update(zip(seg.outputs, outs[twin]))
         for j in _stagger(len(self.segments)):     # this rank's own share first: the cache has the rest when it comes
-            if not isinstance(traced[j], int):
-                self.segments[j].fn = _compile(*traced[j][:-1])
-                traced[j] = (None,)
-        for seg, one in zip(self.segments, traced):
-            if isinstance(one, int):
-                seg.fn = self.segments[one].fn
+            if j in traced:
+                self.segments[j].fn = _compile(*traced.pop(j))
+        for seg, twin in zip(self.segments, twins):
+            seg.fn = self.segments[twin].fn
         self.unique = len(first)
         for seg in self.segments:
             self._step(seg, [env[n] for n in seg.inputs], env)
@@ -281,7 +276,6 @@ def _key(graph: Graph, seg: _Segment, inputs: list) -> tuple:
     makes), the constants it reads (by their values), and what its inputs are (_Meta: sizes, strides, offset).
     Segments of equal keys lower to the same fx graph and compile to the same code: a repeated layer's segments
     are compiled once (memory_cuts places their cuts alike)."""
-    import hashlib
     local = {name: k for k, name in enumerate(seg.inputs)}
     consts = {v.name: t for v, t in graph.consts}
     parts: list = [tuple(m if isinstance(m, _Meta) else repr(m) for m in inputs)]
