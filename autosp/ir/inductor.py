@@ -54,23 +54,6 @@ def _cache_hits() -> int:
     return int(counters["inductor"].get("fxgraph_cache_hit", 0))
 
 
-_DIGEST: list[str] = []
-
-
-def _source_digest() -> str:
-    """A digest of autosp's sources: its custom ops (and their fakes, whose strides compiled code asserts) are
-    keyed by name only in inductor's FX graph cache, so a compiled program must not outlive the code it calls."""
-    if not _DIGEST:
-        import hashlib
-        import pathlib
-        root = pathlib.Path(__file__).resolve().parents[1]
-        h = hashlib.sha256()
-        for path in sorted(root.rglob("*.py")):
-            h.update(str(path.relative_to(root)).encode() + path.read_bytes())
-        _DIGEST.append(h.hexdigest())
-    return _DIGEST[0]
-
-
 def _cache_key_pass():
     """A post-grad pass that does nothing and keys the cache on autosp's sources (a user's own pass is kept)."""
     import torch._inductor.config as config
@@ -83,7 +66,8 @@ def _cache_key_pass():
             return None
 
         def uuid(self):
-            return "autosp-" + _source_digest()
+            from autosp.sources import digest
+            return "autosp-" + digest()
     return _Keyed()
 
 

@@ -108,7 +108,42 @@ def _by_id(tiles: dict, chains) -> dict[str, int]:
     return out
 
 
-def _planned(local, memory_budget, dev, *, host_memory=None, refine: bool = True, tiles=None):
+def _planned(local, memory_budget, dev, *, host_memory=None, refine: bool = True, tiles=None,
+             plan_only: bool = False):
+    """(Plan, Program, Joint, StepBoundary, tiling) of the step under the budget (_plan_now), or of the plan
+    kept on disk for the same step and arguments (store.py: the joint derived again, the plan applied to it;
+    with `plan_only`, neither: Program, Joint and StepBoundary are None); a refusal kept is raised again."""
+    from autosp.remat import store
+    from autosp.remat.solve import time_limits
+    name = store.key(local, memory_budget, dev, host_memory=host_memory, refine=refine, tiles=tiles)
+    kept = store.load(name)
+    if kept is not None and kept[0] == "refused":
+        raise BudgetError(kept[1], least_peak_bytes=kept[2])
+    if kept is not None:
+        return (kept[1], None, None, None, kept[5]) if plan_only else _applied(local, *kept[1:])
+    limited = time_limits()
+    try:
+        plan, program, joint, boundary, ks = _plan_now(local, memory_budget, dev, host_memory=host_memory,
+                                                       refine=refine, tiles=tiles)
+    except BudgetError as exc:
+        if time_limits() == limited:
+            store.save(name, ("refused", str(exc), exc.least_peak_bytes))
+        raise
+    if time_limits() == limited:
+        store.save(name, ("plan", plan, tuple(program.saved), _recomputed(joint, program), tuple(program.offloaded),
+                          ks))
+    return plan, program, joint, boundary, ks
+
+
+def _applied(local, plan, saved, recomputed, offloaded, ks):
+    """_planned's result for a plan made elsewhere (the planning rank's broadcast, or the plan cache)."""
+    from autosp.passes.tile import tile
+    from autosp.remat.apply import apply_plan
+    boundary, joint = joint_of(tile(local, ks) if ks else local)
+    return plan, apply_plan(joint, saved, recomputed, offloaded), joint, boundary, ks
+
+
+def _plan_now(local, memory_budget, dev, *, host_memory=None, refine: bool = True, tiles=None):
     """(Plan, Program, Joint, StepBoundary, tiling) of the step under the budget: untiled first, then
     the tilings of tiling_levels (passes/tile.py) until a plan fits (`tiles`: that tiling alone, by
     chain name). "least": the lower of the untiled step's and the most tiled one's least peaks; a
@@ -172,12 +207,13 @@ def _with_tiling(plan, ks: dict, by_id: dict):
 
 
 def plan_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=None, host_memory=None,
-              offload: bool | None = None, refine: bool = True, tiles=None):
+              offload: bool | None = None, refine: bool = True, tiles=None, plan_only: bool = False):
     """(Plan, Program, Joint, StepBoundary) for a sharded forward graph; runs nothing. The one planning
     entry of autosp.plan, autosp.explain and the command line. `offload`: None plans offload where the
     device has a host link (a GPU, or `host_bandwidth`), False never; `host_memory`: bytes per rank
     (or '64GiB') the offloaded values may take, None no limit; `refine`: make_plan's; `tiles`: a
-    tiling to plan with (Chain.id -> k) instead of the search."""
+    tiling to plan with (Chain.id -> k) instead of the search; `plan_only`: the Plan is all the caller
+    reads (a plan kept on disk is then not applied: the others may be None)."""
     from dataclasses import replace
 
     from autosp.remat.cost import device_for
@@ -185,7 +221,7 @@ def plan_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=None,
     if offload is False:
         dev = replace(dev, host_bw=None)
     plan, program, joint, boundary, _ = _planned(local, memory_budget, dev, host_memory=host_memory, refine=refine,
-                                                 tiles=tiles)
+                                                 tiles=tiles, plan_only=plan_only)
     return plan, program, joint, boundary
 
 
@@ -199,7 +235,6 @@ def compile_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=No
     from autosp.remat.apply import apply_plan
     from autosp.remat.cost import device_for
     from autosp.remat.runtime import Runner
-    from autosp.passes.tile import tile
     dev = device_for(device, host_bandwidth)
     pg = _pg(group) if group is not None else None
     if pg is None or dist.get_world_size(pg) == 1:
@@ -218,10 +253,10 @@ def compile_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=No
     dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
     if isinstance(box[0], Exception):
         raise box[0]
-    plan, saved, recomputed, offloaded, ks = box[0]
     if dist.get_rank(pg) != 0:                   # the same tiling, then the same plan
-        boundary, joint = joint_of(tile(local, ks) if ks else local)
-    program = apply_plan(joint, saved, recomputed, offloaded)
+        plan, program, joint, boundary, _ = _applied(local, *box[0])
+    else:                                        # applied as the others apply it
+        program = apply_plan(joint, *box[0][1:4])
     return plan, Runner(program, joint, boundary, compiled, dev.name)
 
 

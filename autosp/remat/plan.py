@@ -76,6 +76,7 @@ class Plan:
     host_memory_bytes: int | None = None     # the host capacity per rank the plan was held to (None: no limit)
     tiling: tuple[tuple[str, int, int, int], ...] = ()   # (chain, k tiles, widest value whole, per tile)
     method: str = "ILP"                  # how it was found: the ILP, or per-layer checkpointing (cuts.py)
+    stored: str | None = None            # the plan cache's file it was read from (store.py); None: planned here
 
     @property
     def saved_bytes(self) -> int:
@@ -103,6 +104,8 @@ class Plan:
             host = f"{cap}, host transfers {self.offload_seconds * 1e3:.3g} ms modelled"
         if self.method != "ILP":
             lines.append(f"found by {self.method}")
+        if self.stored:
+            lines.append(f"read from the plan cache: {self.stored}")
         lines.append(f"totals: saved {_fmt(self.saved_bytes)}, offloaded {_fmt(self.offload_bytes)}{host}, "
                      f"recompute {self.recompute_flops:.3g} FLOPs ({self.recompute_seconds * 1e3:.3g} ms modelled)")
         for name, k, whole, tile in self.tiling:

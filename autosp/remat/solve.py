@@ -76,6 +76,12 @@ def _seed_rows(p: IlpProblem, k: int = 4) -> set[int]:
 
 GAP = 1e-4          # relative MIP gap: a ten-thousandth of the recompute time is not worth searching for
 TIME_LIMIT = 20.0   # seconds per MIP; past it HiGHS's best answer so far is taken (plans are broadcast)
+_LIMITED = [0]      # MIPs of this process ended by their time limit: a plan made with one is not kept (store.py)
+
+
+def time_limits() -> int:
+    """How many MIPs of this process have ended by their time limit so far."""
+    return _LIMITED[0]
 
 
 def _solve_rows(p: IlpProblem, rows: set[int], budget: float | None, minimize_peak: bool, gap: float = GAP,
@@ -130,6 +136,8 @@ def _solve_rows(p: IlpProblem, rows: set[int], budget: float | None, minimize_pe
             # HiGHS's presolve can fail inside (seen: "vector::reserve" on a least-peak MIP of Llama 3.2 1B, whose
             # coefficients span 9 decades); the same MIP without it solved in 0.9 s
             res = milp(c, **problem, options=dict(options, presolve=False))
+    if res.status == 1 and "time limit" in str(res.message).lower():
+        _LIMITED[0] += 1
     if res.x is None:
         return None
     return np.round(res.x[:nb])

@@ -513,7 +513,7 @@ def at_length(step: Step, *, with_longest: bool = True, parallel: bool = True, q
         args = dict(device=step.device, host_bandwidth=step.host_bandwidth, host_memory=fit.host_cap)
         tiles = None if step.tile else {}
         if step.memory_budget is None and step.memory is not None:         # the budget is what --memory leaves
-            least = plan_step(local, "least", refine=False, tiles=tiles, **args)[0]
+            least = plan_step(local, "least", refine=False, tiles=tiles, plan_only=True, **args)[0]
             fit.least = least.peak_bytes
             fit.verdict = fit.least <= fit.budget
             if not fit.verdict:

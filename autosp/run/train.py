@@ -79,6 +79,8 @@ def _memory_lines(fit, plan, step) -> str:
         from autosp.run.answer import _tiled_names
         how += ", tiles " + ", ".join(_tiled_names(p.tiling))
     within = f" within --memory {step.memory}" if step.memory is not None else ""
+    if p.stored:
+        within += " (from the plan cache: AUTOSP_PLAN_CACHE=0 plans again)"
     return (f"  memory plan{within}: budget {fmt(p.budget_bytes) if p.budget_bytes else 'none'} for the step ({how})\n"
             f"  predicted peak per rank: {fmt(fit.resident + p.peak_bytes)} of allocated {step.device} memory = "
             f"model state {fmt(fit.state.resident)} + token ids {fmt(fit.tokens)} + the step's {fmt(p.peak_bytes)}; "
