@@ -18,6 +18,7 @@ solves). A refused budget is kept too (its message and least peak). The key is e
 A plan is kept only when every MIP of its making finished: one cut short by its time limit (solve.TIME_LIMIT)
 answers with HiGHS's best so far, which another run on a busier machine may not reach, and ranks that plan apart
 (the sp groups of a dp x sp mesh) must reach one plan. Unreadable entries are planned again and overwritten.
+Nothing is evicted (an entry is 7-21 KiB for the tiny preset): removing the folder clears it.
 
     AUTOSP_PLAN_CACHE   a folder (default $XDG_CACHE_HOME/autosp/plans, else ~/.cache/autosp/plans); 0 or off: none
 """
