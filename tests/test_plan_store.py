@@ -71,6 +71,15 @@ def test_the_key_is_what_a_plan_depends_on(monkeypatch):
               store.key(local, 0.6, device_for("cuda", None)), store.key(local, 0.6, device_for("cpu", 5e9)),
               store.key(local, 0.6, cpu, host_memory=2**20), store.key(local, 0.6, cpu, refine=False),
               store.key(local, 0.6, cpu, tiles={})]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)               # CPU attention's scratch, which the memory model counts
+    try:
+        others.append(store.key(local, 0.6, cpu))
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setenv("AUTOSP_OVERLAP", "0")        # the programs the planner simulates, unscheduled
+    others.append(store.key(local, 0.6, cpu))
+    monkeypatch.delenv("AUTOSP_OVERLAP")
     import autosp.sources
     monkeypatch.setattr(autosp.sources, "digest", lambda: "other sources")
     others.append(store.key(local, 0.6, cpu))

@@ -12,6 +12,8 @@ solves). A refused budget is kept too (its message and least peak). The key is e
     the per-rank program as printed   every equation, shape, dtype, layout and name the plan refers to
     the budget, the device's model    the budget as given, the cost model (device_for: link, FLOP/s), the host
                                       capacity, the tiling asked for, whether the plan is refined
+    what the memory model reads       torch's thread count (CPU attention's scratch is per thread), whether
+                                      collectives are scheduled (AUTOSP_OVERLAP: the simulated programs)
     what made it                      autosp's sources, torch's version (the joint is derived again at a hit),
                                       scipy's (HiGHS), Python's (pickle)
 
@@ -49,9 +51,11 @@ def key(local, memory_budget, dev, *, host_memory=None, refine: bool = True, til
     import scipy
     import torch
 
+    from autosp.passes.schedule import enabled
     from autosp.sources import digest
     h = hashlib.sha256()
     for part in (f"v{VERSION}", digest(), torch.__version__, scipy.__version__, f"{sys.version_info[:2]}",
+                 f"threads {torch.get_num_threads()}", f"overlap {enabled()}",
                  repr(memory_budget), repr(dev), repr(host_memory), repr(refine),
                  repr(None if tiles is None else sorted(tiles.items())), str(local)):
         h.update(part.encode())
