@@ -9,6 +9,7 @@ forward value the backward reads, to save, recompute or offload it under a memor
     seeds    cuts.py              per-layer checkpointing at the dataflow's cuts, simulated beside the ILP
     apply    apply.py             the plan -> forward and backward programs
     plan     plan.py              Plan (data, printable), the budget loop, simulate_step
+    keep     store.py             plans kept on disk, keyed by what they are a function of
     run      runtime.py           the programs as one autograd.Function
 """
 from __future__ import annotations
