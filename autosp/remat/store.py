@@ -74,9 +74,7 @@ def load(name: str):
     path = where / f"{name}.plan"
     try:
         entry = loads(path.read_bytes())
-    except FileNotFoundError:
-        return None
-    except Exception:  # noqa: BLE001 - a torn or stale entry is planned again, and overwritten
+    except Exception:  # noqa: BLE001 - none kept, or a torn or stale entry: planned again, and overwritten
         return None
     if not isinstance(entry, tuple) or not entry or entry[0] not in ("plan", "refused"):
         return None
