@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from autosp.collectives import all_gather_objects
 from autosp.errors import AutospError, TraceError
 from autosp.ir.core import Graph
 from autosp.ir.lower import lower
@@ -96,8 +97,7 @@ class Sharded:
         """All sp ranks must pass the same global values: compare shapes and checksums once per compile."""
         group = dist.distributed_c10d._resolve_process_group(self.info.sp_group)
         sums = [_checksum(x) for x in leaves]
-        sigs = [None] * self.info.sp_size
-        dist.all_gather_object(sigs, (repr(sig), sums), group=group)
+        sigs = all_gather_objects((repr(sig), sums), group)
         mine = dist.get_rank(group)
         for other, (_, their) in enumerate(sigs):
             bad = [i for i, (a, b) in enumerate(zip(sums, their)) if a != b]

@@ -17,6 +17,7 @@ head on a gathered value) is then counted once, not once per rank.
 from __future__ import annotations
 
 import contextlib
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -458,3 +459,57 @@ def ring_groups(sp_ranks: tuple[tuple[int, ...], ...], u: int) -> tuple[str, str
                 mine = (ulysses[at // u].group_name, rings[at % u].group_name)
         _SUBGROUPS[key] = mine
     return _SUBGROUPS[key]
+
+
+# ---------------------------------------------------------------- Python objects (plans, signatures)
+
+def _object_device(pg) -> torch.device:
+    return torch.device("cpu") if dist.get_backend(pg) == "gloo" else torch.device("cuda", torch.cuda.current_device())
+
+
+def _encoded(obj, dev: torch.device) -> Tensor:
+    """obj pickled, as uint8 on `dev` (on CPU the bytes' own buffer: no allocation of torch's)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    return data.to(dev)
+
+
+def _decoded(data: Tensor):
+    return pickle.loads(data.cpu().numpy().tobytes())
+
+
+def broadcast_object(obj, pg):
+    """The group's first rank's `obj` on every rank of process group `pg` (torch's broadcast_object_list for one
+    object). Its buffers are torch's allocations freed by this thread, not by gloo's worker: torch's own version
+    leaves them to whichever thread lets go last, and a CPU step's measured peak (autosp.memory) would count a
+    plan's pickled bytes as live whenever the worker won."""
+    dev = _object_device(pg)
+    src = dist.get_global_rank(pg, 0)
+    first = dist.get_rank(pg) == 0
+    data = _encoded(obj, dev) if first else None
+    size = torch.tensor([data.numel() if first else 0], dtype=torch.int64, device=dev)
+    with _handed(pg, size) as (h,):
+        dist.broadcast(h, src=src, group=pg)
+    if not first:
+        data = torch.empty(int(size), dtype=torch.uint8, device=dev)
+    with _handed(pg, data) as (h,):
+        dist.broadcast(h, src=src, group=pg)
+    return obj if first else _decoded(data)
+
+
+def all_gather_objects(obj, pg) -> list:
+    """Every rank's `obj`, in group rank order (torch's all_gather_object, its buffers freed by this thread as in
+    broadcast_object)."""
+    dev = _object_device(pg)
+    p = dist.get_world_size(pg)
+    mine = _encoded(obj, dev)
+    sizes = torch.empty(p, dtype=torch.int64, device=dev)
+    size = torch.tensor([mine.numel()], dtype=torch.int64, device=dev)
+    with _handed(pg, size, *sizes.chunk(p)) as (h, *parts):
+        dist.all_gather(parts, h, group=pg)
+    width = int(sizes.max())
+    send = torch.zeros(width, dtype=torch.uint8, device=dev)
+    send[:mine.numel()] = mine
+    out = torch.empty(p * width, dtype=torch.uint8, device=dev)
+    with _handed(pg, send, *out.chunk(p)) as (h, *parts):
+        dist.all_gather(parts, h, group=pg)
+    return [_decoded(out[i * width:i * width + int(n)]) for i, n in enumerate(sizes.tolist())]

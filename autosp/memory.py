@@ -19,6 +19,9 @@ records no allocations at all, torch 2.13). gloo's worker threads free what a co
 go of it, which may be after its caller did: autosp's collectives empty the handles they give gloo
 (collectives._let_go), and `_Ledger` frees a buffer allocated inside a collective (a `c10d::` or `gloo:` op:
 its flattened copies) whose free no session saw where the collective returned (the worker was done with it).
+The Python objects autosp sends (a plan, the inputs' signatures) go the same way (collectives.broadcast_object,
+all_gather_objects); torch's object collectives, which DCP's checkpoint planning uses on `--resume` before the first
+step, do not, and may leave their pickled bytes (KiB) counted as live.
 """
 from __future__ import annotations
 

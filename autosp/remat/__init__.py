@@ -232,7 +232,7 @@ def compile_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=No
     broadcasts the plan (recomputed collectives must match across ranks, and a shared host plans
     once); a refused budget is raised on every rank. `compiled`: the programs through inductor."""
     import torch.distributed as dist
-    from autosp.collectives import _pg
+    from autosp.collectives import _pg, broadcast_object
     from autosp.remat.apply import apply_plan
     from autosp.remat.cost import device_for
     from autosp.remat.runtime import Runner
@@ -251,7 +251,7 @@ def compile_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=No
             box = [(plan, tuple(program.saved), recomputed, tuple(program.offloaded), ks)]
         except Exception as exc:  # noqa: BLE001 - every rank raises what the planning rank raised
             box = [exc]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+    box = [broadcast_object(box[0], pg)]
     if isinstance(box[0], Exception):
         raise box[0]
     if dist.get_rank(pg) != 0:                   # the same tiling, then the same plan
