@@ -3,10 +3,11 @@
 One 2-rank job (a 2-layer Llama-style model, s=256) compiles the step at budgets 1.0, 0.5 (with offload to the host)
 and the least the planner accepts, and through autosp.compile: fp32 loss and gradients against the single device on
 every rank, and the profiler's peak against plan.peak_bytes. The programs are compiled in segments cut where
-inductor's fusion could take them above the plan (autosp.remat.runtime.memory_cuts); what stays is inductor's own:
-the loss's fused reductions keep a few values per position that eager's ops do not (+9 B a position). Measured:
-+0.08 % at 1.0, +0.16 % at 0.5 (offloading), +8 B at the least budget (the loss's seed, outside the program, as
-eager). Held: at most 0.2 % over, 5 % under, and the least budget passed by no more than the seed. (Until this was
+inductor's fusion could take them above the plan (autosp.remat.runtime.memory_cuts), the loss's backward given to
+inductor as one expression and the (log-)softmax run eagerly (inductor's own held a logits-sized buffer and each
+row's maximum and sum: +1,172 B, +0.08 % at 1.0, +0.16 % at 0.5 with offload, 918 B over that budget). Measured now:
++8 B at every budget (the loss's seed, outside the program, as eager). Held: at most 16 B over the plan and never
+over the budget by more, 5 % under. (Until this was
 measured the step cloned every gradient before summing it over sp, in case compiled code returned one buffer twice:
 +2.2 % at the least budget; it now looks at the storages. Unsegmented, two fused multiplies of the MLP's backward
 held an input eager frees: +8.8 % at 0.5, s=512.) With offload, the compiled code calls every wait (inductor once
@@ -59,7 +60,7 @@ def _job(rank, world, s):
         measured, _ = peak_bytes(lambda: vg(params, ids, labels))
         plan = vg.sharded.plan(autosp.api._differentiable(params), ids, labels)
         assert (plan.offload_bytes > 0) == (host is not None), plan
-        peaks.append((budget, measured, plan.peak_bytes))
+        peaks.append((budget, measured, plan.peak_bytes, plan.budget_bytes))
     # the module path (at 1.0: the programs compiled above, from inductor's cache)
     sharded = autosp.compile(model, mesh, memory_budget=1.0, compile=True)
     res = sharded(ids, labels=labels)
@@ -93,13 +94,13 @@ def test_the_compiled_step_is_exact_and_keeps_the_plan():
             assert c["offload"] == c["prefetch"] == c["wait"] > 0, (rank, budget, c)
             assert c["offloads end their segments"], (rank, budget, c)
     for rank, (_, peaks, _) in enumerate(results):
-        print(f"rank {rank}: " + "; ".join(f"budget {b}: measured {m:,} B, plan {p:,} B ({(m - p) / p:+.2%})"
-                                          for b, m, p in peaks))
-        for budget, measured, predicted in peaks:
-            off = (measured - predicted) / predicted
-            assert -0.05 <= off <= 0.002, f"rank {rank}, budget {budget}: measured {measured:,} B, plan {predicted:,} B"
-        _, measured, least = peaks[-1]
-        assert measured <= least + 16, f"rank {rank}: the least budget {least:,} B passed: measured {measured:,} B"
+        print(f"rank {rank}: " + "; ".join(f"budget {b}: measured {m:,} B, plan {p:,} B ({m - p:+,} B)"
+                                          for b, m, p, _ in peaks))
+        # as eager: the plan to the loss's seed (outside the program), so never over the budget by more
+        for budget, measured, predicted, budget_bytes in peaks:
+            assert predicted - 0.05 * predicted <= measured <= predicted + 16, \
+                f"rank {rank}, budget {budget}: measured {measured:,} B, plan {predicted:,} B"
+            assert budget_bytes is None or measured <= budget_bytes + 16, (rank, budget, measured, budget_bytes)
         assert peaks[-1][1] < 0.5 * peaks[0][1], peaks                # remat compiled still saves memory
 
 
@@ -205,3 +206,52 @@ def test_a_repeated_layer_is_compiled_once():
             assert len(segs) >= 3 and segs[0] and all(s == segs[0] for s in segs), (rank, name, segs)
             unique, total = layers[name + " compiled"]
             assert unique <= total - (len(segs) - 1) * len(segs[0]), (rank, name, unique, total)
+
+
+def test_nll_loss_backward_as_one_expression_is_eagers_to_the_bit():
+    """The loss's backward as inductor gets it (ir.inductor._nll_loss_backward, one elementwise expression instead of
+    a scatter into a zero-filled buffer and a second buffer scaled from it): aten's values to the bit, for every
+    reduction, with and without class weights, ignored rows (by -100 and by a class index), every row ignored."""
+    from autosp.ir.inductor import _nll_loss_backward
+    aten = torch.ops.aten
+    g = torch.Generator().manual_seed(0)
+    for rows in (None, 6):
+        for reduction in (0, 1, 2):
+            for weight in (None, torch.rand(7, generator=g)):
+                for ignore in (-100, 3, "all"):
+                    x = torch.randn(*(() if rows is None else (rows,)), 7, generator=g)
+                    target = torch.randint(0, 7, () if rows is None else (rows,), generator=g)
+                    ignore_index = -100 if ignore == "all" else ignore
+                    if rows is not None:
+                        target[1] = ignore_index if ignore_index < 0 else target[1]
+                        if ignore == "all":
+                            target[:] = -100
+                    out, total = aten.nll_loss_forward(x, target, weight, reduction, ignore_index)
+                    grad = torch.randn(out.shape, generator=g)
+                    want = aten.nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total)
+                    got = _nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total)
+                    assert got.dtype == want.dtype and got.shape == want.shape
+                    assert torch.equal(got, want), (rows, reduction, weight is None, ignore)
+
+
+def test_log_softmax_runs_eagerly_in_a_segment_of_its_own():
+    """Inductor's log-softmax keeps each row's maximum and sum in buffers no plan counts: it runs as eager runs it,
+    alone in its segment, forward and backward; the rest is compiled."""
+    from autosp.ir.inductor import Compiled, eager_cuts
+    from autosp.trace import trace
+    aten = torch.ops.aten
+
+    def f(x, w):
+        return torch.log_softmax(x @ w, dim=-1).sum()
+    x, w = torch.randn(8, 16), torch.randn(16, 32)
+    g = trace(f, x, w)
+    k = next(i for i, e in enumerate(g.eqns) if e.op.target == aten.log_softmax.int)
+    assert {k, k + 1} <= set(eager_cuts(g))
+    run = Compiled(g)
+    out = run([x, w])
+    assert torch.allclose(out[0], f(x, w), rtol=1e-6)
+    eager = [seg for seg in run.segments if seg.eager]
+    assert [g.eqns[seg.span[0]].op.target for seg in eager] == [aten.log_softmax.int]
+    assert run.unique == len(run.segments) - 1
+    assert torch.allclose(run([x, w])[0], f(x, w), rtol=1e-6)        # the second call: as compiled
+

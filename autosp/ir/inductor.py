@@ -16,9 +16,13 @@ no recomputation meets its original in one graph for CSE to merge them. And a pr
 holds its members' inputs and outputs at once (two fused multiplies of an MLP's backward held an input eager frees:
 +8.8 % at budget 0.5; a recomputation fused with a kernel of an earlier layer runs that much earlier: +6.8 % at the
 least budget of a 4-layer Llama). A segment ends before the equation whose values, all made at once with none yet
-freed, would take the segment above the plan's peak; values cross a cut as the plan said they would. What remains is
-inductor's own, which the memory model does not know yet: a fused reduction keeps a few values per row (the loss: +9 B
-a position, +0.1 % of the tests' peaks).
+freed, would take the segment above the plan's peak; values cross a cut as the plan said they would. Two of
+inductor's own ways held memory no plan counts, both at the loss, where a step peaks: its decomposition of
+nll_loss_backward scatters into one logits-sized buffer and scales it into another (`_nll_loss_backward` is one
+expression instead, eager's values to the bit), and its (log-)softmax keeps each row's maximum and sum in buffers
+(those run as eager runs them, each in a segment of its own: `_EAGER`). The compiled step then measures what eager
+does: its plan to the loss's seed (+8 B, outside the program), at budgets 1.0, 0.5 and the least (it was +1,172 B,
++0.08 to +0.16 %, over the budget where the plan was close to it).
 
 Every segment is compiled before any runs, for what its inputs will be (the strides of the segment graphs' outputs,
 which compiled code keeps), and each rank of a host starts from its own share of the program: the ranks' programs
@@ -71,13 +75,56 @@ def _cache_key_pass():
     return _Keyed()
 
 
+def _nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    """aten.nll_loss_backward as one elementwise expression over the input's shape: -(the output's gradient, over
+    the total weight where averaged) at each row's target class, weighted, 0 elsewhere and on ignored rows. Inductor's
+    own decomposition scatters into a zero-filled buffer and scales it into a second one: at the loss's backward,
+    logits-sized memory that eager's kernel (one zero-filled output) does not hold and no plan counts (the compiled
+    step +0.08 % over its plan, the tests' Llama). Values as eager's: the same operations in the same order."""
+    dim = 1 if self.dim() >= 2 else 0
+    t = target.unsqueeze(dim)
+    kept = t != ignore_index
+    classes = torch.arange(self.shape[dim], device=self.device).view([-1] + [1] * (self.dim() - 1 - dim))
+    if reduction == 0:                               # none: one gradient per row
+        grad = -(grad_output.unsqueeze(dim) if self.dim() >= 2 else grad_output)
+    elif reduction == 1:                             # mean
+        grad = -(grad_output / total_weight)
+    else:                                            # sum
+        grad = -grad_output
+    if weight is not None:
+        grad = weight[torch.where(kept, t, 0)] * grad
+    return torch.where((classes == t) & kept, grad, 0).to(self.dtype)
+
+
+# Ops that run as eager runs them, each a segment of its own: inductor's lowering of a (log-)softmax keeps each row's
+# maximum and sum in buffers (8 B a row forward, 4 B backward), which eager's kernel keeps in registers and no plan
+# counts; at the loss's backward, where a step peaks, they took the compiled step over its plan (+512 B of the tests'
+# 1.5 MB, over the budget where the plan is close to it; a router's softmax over 8 experts: a quarter of its output).
+# Their inputs and outputs are values of the program either way: nothing is fused across them but a pointwise op.
+_aten = torch.ops.aten
+_EAGER = frozenset({_aten._log_softmax.default, _aten.log_softmax.int, _aten._log_softmax_backward_data.default,
+                    _aten._softmax.default, _aten.softmax.int, _aten._softmax_backward_data.default})
+
+
+def eager_cuts(graph: Graph) -> list[int]:
+    """Cuts before and after each equation of an op run eagerly (_EAGER)."""
+    return sorted({k + d for k, e in enumerate(graph.eqns) if e.op.target in _EAGER for d in (0, 1)})
+
+
+def _decompositions() -> dict:
+    """Inductor's decompositions, nll_loss_backward's replaced (_nll_loss_backward)."""
+    from torch._inductor.decomposition import select_decomp_table
+    table = dict(select_decomp_table())
+    table[torch.ops.aten.nll_loss_backward.default] = _nll_loss_backward
+    return table
+
+
 def _decompose(gm, args: list):
     """gm (an fx module of autosp's lowering) decomposed as inductor decomposes, for `args` (_Meta: what a tensor
     will be, or a plain value): (the decomposed module, its fake inputs, their fake mode's tracing context, the
     _Meta of its outputs, whose strides compiled code keeps). The fake mode has a shape environment and is a tracing
     context's: inductor's FX graph cache keys on them (it bypasses a graph compiled without)."""
     from torch._guards import TracingContext, tracing
-    from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -86,10 +133,27 @@ def _decompose(gm, args: list):
         fakes = [a.fake() if isinstance(a, _Meta) else a for a in args]
     context = TracingContext(fake)
     with torch.no_grad(), tracing(context), fake:
-        decomposed = make_fx(gm, decomposition_table=select_decomp_table())(*fakes)
+        decomposed = make_fx(gm, decomposition_table=_decompositions())(*fakes)
     outs = [_Meta.of(n.meta.get("val")) if isinstance(n, torch.fx.Node) else None
             for n in decomposed.graph.output_node().args[0]]
     return decomposed, fakes, context, outs
+
+
+def _fake_outputs(gm, args: list) -> list:
+    """The _Meta of what gm (not decomposed) returns for `args` (_Meta or plain values): its ops' own fakes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        outs = gm(*[a.fake() if isinstance(a, _Meta) else a for a in args])
+    return [_Meta.of(o) for o in outs]
+
+
+def _boxed(gm):
+    """gm called as compiled code is: on a list it empties."""
+    def run(args: list):
+        inputs = tuple(args)
+        args.clear()
+        return gm(*inputs)
+    return run
 
 
 def _compile(decomposed, fakes: list, context):
@@ -151,6 +215,7 @@ class _Segment:
     dead: list[str]               # of its inputs, those no later segment nor output reads: let go before it runs
     gm: object                    # its lowered fx module, compiled at the first call
     span: tuple[int, int]         # its equations' indices in the program: [start, end)
+    eager: bool = False           # one equation run as eager runs it (_EAGER), not compiled
     fn: object = None
 
 
@@ -159,7 +224,8 @@ class Compiled:
 
     def __init__(self, graph: Graph, cuts=()):
         self.graph = graph
-        self.segments = _segments(graph, sorted(set(c for c in cuts if 0 < c < len(graph.eqns))))
+        cuts = set(cuts) | set(eager_cuts(graph))
+        self.segments = _segments(graph, sorted(c for c in cuts if 0 < c < len(graph.eqns)))
         self.seconds: float | None = None
         self.cache: str | None = None
         self.unique: int | None = None            # segments of different code (a repeated layer's are compiled once)
@@ -180,16 +246,19 @@ class Compiled:
             ins = [metas[n] for n in seg.inputs]
             twin = first.setdefault(_key(self.graph, seg, ins), j)    # j, or an earlier segment of the same code
             twins.append(twin)
-            if twin == j:
+            if seg.eager:
+                outs[j] = _fake_outputs(seg.gm, ins)
+                seg.fn = _boxed(seg.gm)
+            elif twin == j:
                 gm, fakes, context, outs[j] = _decompose(seg.gm, ins)
                 traced[j] = (gm, fakes, context)
-            metas.update(zip(seg.outputs, outs[twin]))
+            metas.update(zip(seg.outputs, outs[j] if seg.eager else outs[twin]))
         for j in _stagger(len(self.segments)):     # this rank's own share first: the cache has the rest when it comes
             if j in traced:
                 self.segments[j].fn = _compile(*traced.pop(j))
         for seg, twin in zip(self.segments, twins):
             seg.fn = self.segments[twin].fn
-        self.unique = len(first)
+        self.unique = len({twin for seg, twin in zip(self.segments, twins) if not seg.eager})
         for seg in self.segments:
             self._step(seg, [env[n] for n in seg.inputs], env)
         self.seconds = time.perf_counter() - t0
@@ -251,7 +320,8 @@ def _segments(graph: Graph, cuts: list[int]) -> list[_Segment]:
         sub = Graph(inputs=tuple(ins), eqns=tuple(eqns), outputs=tuple(outs),
                     consts=tuple((v, t) for v, t in graph.consts if v.name in used), name=f"{graph.name}[{a}:{b}]")
         dead = [x.name for x in ins if read_at.get(x.name, -1) <= j and x.name not in final]
-        out.append(_Segment([x.name for x in ins], [o.name for o in outs], dead, lower(sub), (a, b)))
+        eager = b - a == 1 and eqns[0].op.target in _EAGER
+        out.append(_Segment([x.name for x in ins], [o.name for o in outs], dead, lower(sub), (a, b), eager))
     return out
 
 
