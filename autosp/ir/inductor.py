@@ -244,7 +244,8 @@ class Compiled:
         traced, outs, first, twins = {}, {}, {}, []    # first: a segment's key -> the first segment of that code
         for j, seg in enumerate(self.segments):
             ins = [metas[n] for n in seg.inputs]
-            twin = first.setdefault(_key(self.graph, seg, ins), j)    # j, or an earlier segment of the same code
+            # j, or an earlier segment of the same code (an eager one is its own)
+            twin = j if seg.eager else first.setdefault(_key(self.graph, seg, ins), j)
             twins.append(twin)
             if seg.eager:
                 outs[j] = _fake_outputs(seg.gm, ins)
@@ -252,13 +253,13 @@ class Compiled:
             elif twin == j:
                 gm, fakes, context, outs[j] = _decompose(seg.gm, ins)
                 traced[j] = (gm, fakes, context)
-            metas.update(zip(seg.outputs, outs[j] if seg.eager else outs[twin]))
+            metas.update(zip(seg.outputs, outs[twin]))
         for j in _stagger(len(self.segments)):     # this rank's own share first: the cache has the rest when it comes
             if j in traced:
                 self.segments[j].fn = _compile(*traced.pop(j))
         for seg, twin in zip(self.segments, twins):
             seg.fn = self.segments[twin].fn
-        self.unique = len({twin for seg, twin in zip(self.segments, twins) if not seg.eager})
+        self.unique = len(first)
         for seg in self.segments:
             self._step(seg, [env[n] for n in seg.inputs], env)
         self.seconds = time.perf_counter() - t0
