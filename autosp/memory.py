@@ -20,8 +20,9 @@ go of it, which may be after its caller did: autosp's collectives empty the hand
 (collectives._let_go), and `_Ledger` frees a buffer allocated inside a collective (a `c10d::` or `gloo:` op:
 its flattened copies) whose free no session saw where the collective returned (the worker was done with it).
 The Python objects autosp sends (a plan, the inputs' signatures) go the same way (collectives.broadcast_object,
-all_gather_objects); torch's object collectives, which DCP's checkpoint planning uses on `--resume` before the first
-step, do not, and may leave their pickled bytes (KiB) counted as live.
+all_gather_objects), and a checkpoint is loaded without DCP's coordination (its plans are such objects, sent with
+torch's own): before the first step nothing is left to gloo's threads. DCP's save still coordinates, after the steps
+measured unless `--save-every` is 1 or 2.
 """
 from __future__ import annotations
 

@@ -115,7 +115,10 @@ def load(path: str, model, opt, extra: dict) -> dict:
     meta = dcp.FileSystemReader(path).read_metadata()
     if not any(k.startswith(key) for k in meta.state_dict_metadata):
         state.pop(key)                            # saved by fewer ranks: keep this rank's RNG as seeded
-    dcp.load(state, checkpoint_id=path)
+    # each rank reads what it holds by itself (no_dist: DCP's resharding needs no other rank's plan); coordinated, DCP
+    # sends its plans as pickled objects whose bytes gloo's worker may free after the caller, a free the CPU meter
+    # never sees (autosp.memory): `train --resume` measured +0.44 % over its prediction, rank 0 96,603 B, rank 1 32,201
+    dcp.load(state, checkpoint_id=path, no_dist=True)
     if isinstance(opt, OffloadedAdamW):               # the masters were loaded in place; the device follows them
         opt.load_named_state(state["optim"])
     else:
