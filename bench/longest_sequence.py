@@ -218,6 +218,8 @@ def _job(rank, world, args):
 
 
 def main(argv=None):
+    # planned afresh, not read from the plan cache: each search is timed, autosp's first step plans
+    os.environ["AUTOSP_PLAN_CACHE"] = "off"
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--memory", type=float, default=64, help="per-rank step memory, MiB")
     ap.add_argument("--layers", type=int, default=4)

@@ -73,6 +73,7 @@ def _job(rank, world, model, seqs, budgets):
 
 
 def main(argv=None):
+    os.environ["AUTOSP_PLAN_CACHE"] = "off"     # planned afresh, not read from the plan cache: planning is timed
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--sp", type=int, default=2)

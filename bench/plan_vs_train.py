@@ -99,6 +99,8 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
+    # planned afresh, not read from the plan cache: `autosp plan` and train's start are timed (the commands inherit it)
+    os.environ["AUTOSP_PLAN_CACHE"] = "off"
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="tiny,small")
     p.add_argument("--memory", action="append", default=[], help="MODEL=SIZE[,SIZE] (default: " +

@@ -212,6 +212,8 @@ def frontier_check(rows, seq, hidden):
 
 
 def main(argv=None):
+    # planned afresh, not read from the plan cache: autosp's first step plans
+    os.environ["AUTOSP_PLAN_CACHE"] = "off"
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 16384], help="per-rank lengths")
     ap.add_argument("--layers", type=int, default=4)

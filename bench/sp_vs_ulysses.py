@@ -285,6 +285,8 @@ def print_profiles(profiles, top=8):
 
 
 def main(argv=None):
+    # planned afresh, not read from the plan cache: autosp's first step is timed, planning included
+    os.environ["AUTOSP_PLAN_CACHE"] = "off"
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per side (after 1 warm-up each)")

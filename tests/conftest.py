@@ -4,9 +4,9 @@ import pytest
 import torch  # does not import triton (torch.utils.flop_counter, which `import autosp` loads, does)
 
 os.environ.setdefault("AUTOSP_CHECKS", "1")
-# Every test plans afresh (a plan read from disk would not test the planner); tests/test_plan_store.py keeps
-# plans in a folder of its own.
-os.environ.setdefault("AUTOSP_PLAN_CACHE", "off")
+# Every test plans afresh (a plan read from disk would not test the planner), whatever the user's shell sets
+# (assigned, not defaulted); tests/test_plan_store.py keeps plans in a folder of its own.
+os.environ["AUTOSP_PLAN_CACHE"] = "off"
 # Without a GPU, the Triton kernels run on CPU tensors in Triton's interpreter, which must be chosen
 # before triton is first imported (autosp/kernels/_triton.py); spawned test processes inherit it.
 # With a GPU the kernels compile, and tests/gpu runs them.

@@ -1,7 +1,11 @@
 """The plan cache (autosp/remat/store.py): a step planned once is read back, not planned again, and runs as the plan
-made it; the key changes with everything a plan depends on; a refusal is kept with its least; a plan from a MIP cut
-short by its time limit is not kept; what cannot be read is planned again; AUTOSP_PLAN_CACHE=off keeps nothing."""
+made it, its peak simulated again; the key changes with everything a plan depends on; a refusal is kept with its
+least; a plan from a MIP cut short by its time limit is not kept; what cannot be read is planned again; an entry or
+folder not the user's alone is ignored, said once; the folder autosp makes is 0o700, an entry 0o600;
+AUTOSP_PLAN_CACHE=off keeps nothing, and the suite runs with it off whatever the shell sets."""
 import os
+import stat
+import warnings
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ def kept(tmp_path, monkeypatch):
     joint's collectives)."""
     folder = tmp_path / "plans"
     monkeypatch.setenv("AUTOSP_PLAN_CACHE", str(folder))
+    monkeypatch.setattr(store, "_WARNED", False)       # each test sees the once-a-process warning
     with fake_world(2):
         yield folder
 
@@ -132,6 +137,113 @@ def test_off_keeps_nothing(kept, tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOSP_PLAN_CACHE", str(tmp_path / "unwritable" / "x"))
     (tmp_path / "unwritable").write_text("a file where the folder would be")
     assert plan_step(_local(), 0.6)[0].stored is None                  # keeping fails silently; planning does not
+
+
+def test_a_stored_peak_is_simulated_again(kept, monkeypatch):
+    """The peak a read-back plan reports is the memory model's of the program it runs, not the one in the file."""
+    from dataclasses import replace
+
+    from autosp.ir.serial import dumps, loads
+    local = _local()
+    plan = plan_step(local, 0.6)[0]
+    (path,) = kept.glob("*.plan")
+    entry = loads(path.read_bytes())
+    path.write_bytes(dumps((entry[0], replace(entry[1], peak_bytes=entry[1].peak_bytes + 12345), *entry[2:])))
+    assert store.load(path.stem)[1].peak_bytes == plan.peak_bytes + 12345          # the file does say so
+    _fresh_planning_fails(monkeypatch)
+    again = plan_step(local, 0.6)[0]
+    assert again.stored == str(path) and again.peak_bytes == plan.peak_bytes
+
+
+def _ignored(fn) -> tuple:
+    """(fn's result, the UserWarnings it gave)."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        out = fn()
+    return out, [str(w.message) for w in said if issubclass(w.category, UserWarning)]
+
+
+def test_an_entry_others_may_write_is_ignored_and_said_once(kept):
+    local = _local()
+    plan = plan_step(local, 0.6)[0]
+    (path,) = kept.glob("*.plan")
+    os.chmod(path, 0o620)                                             # group-writable: anyone in it could plant code
+    again, said = _ignored(lambda: plan_step(local, 0.6)[0])
+    assert again.stored is None and again == plan                     # planned afresh, not unpickled
+    assert len(said) == 1 and str(path) in said[0] and "writable by its group" in said[0]
+    assert f"chmod go-w {path}" in said[0] and "AUTOSP_PLAN_CACHE=<a folder of your own>" in said[0]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600                 # rewritten, the user's alone
+    os.chmod(path, 0o606)
+    again, said = _ignored(lambda: plan_step(local, 0.6)[0])
+    assert again.stored is None and said == []                        # once a process
+    assert plan_step(local, 0.6)[0].stored == str(path)
+
+
+def test_an_entry_of_another_user_is_ignored(kept, monkeypatch):
+    """The owner is another uid as fstat sees the opened entry (no second account needed)."""
+    local = _local()
+    plan_step(local, 0.6)
+    (path,) = kept.glob("*.plan")
+    real = os.fstat
+
+    def someone_elses(fd):
+        st = real(fd)
+        return os.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, st.st_uid + 1, *st[5:]))
+    monkeypatch.setattr(store.os, "fstat", someone_elses)
+    entry, said = _ignored(lambda: store.load(path.stem))
+    monkeypatch.setattr(store.os, "fstat", real)
+    assert entry is None and len(said) == 1 and str(path) in said[0]
+    assert f"belongs to uid {os.getuid() + 1}, not to this process's uid {os.getuid()}" in said[0]
+    assert "AUTOSP_PLAN_CACHE=<a folder of your own>" in said[0]
+    assert store.load(path.stem) is not None
+
+
+def test_a_folder_not_the_users_alone_is_neither_read_nor_written(kept, monkeypatch):
+    local = _local()
+    plan_step(local, 0.6)
+    (path,) = kept.glob("*.plan")
+    os.chmod(kept, 0o777)
+    again, said = _ignored(lambda: plan_step(local, 0.6)[0])
+    assert again.stored is None and len(said) == 1
+    assert f"{kept} is ignored" in said[0] and "writable by its group and other users" in said[0]
+    assert f"chmod go-w {kept}" in said[0]
+    path.unlink()
+    plan_step(local, 0.6)
+    assert not list(kept.glob("*.plan"))                              # nothing written into it either
+    os.chmod(kept, 0o700)
+    monkeypatch.setattr(store, "_WARNED", False)
+    monkeypatch.setattr(store, "_uid", lambda: os.getuid() + 1)       # the folder's owner is not this process
+    again, said = _ignored(lambda: plan_step(local, 0.6)[0])
+    assert again.stored is None and len(said) == 1 and f"{kept} is ignored" in said[0] and "belongs to uid" in said[0]
+    assert not list(kept.glob("*.plan"))
+
+
+def test_the_folder_autosp_makes_is_private(tmp_path, monkeypatch):
+    """Every folder autosp makes is 0o700 whatever the umask (parents included); an entry is 0o600."""
+    where = tmp_path / "a" / "b" / "plans"
+    monkeypatch.setenv("AUTOSP_PLAN_CACHE", str(where))
+    os.chmod(tmp_path, 0o755)
+    old = os.umask(0o002)                                             # a umask that would leave them group-writable
+    try:
+        store.save("0" * 64, ("refused", "no plan", 123))
+    finally:
+        os.umask(old)
+    for made in (where, where.parent, where.parent.parent):
+        assert stat.S_IMODE(made.stat().st_mode) == 0o700, made
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o755             # there before: not autosp's to change
+    (entry,) = where.iterdir()
+    assert entry.name == "0" * 64 + ".plan" and stat.S_IMODE(entry.stat().st_mode) == 0o600
+    assert store.load("0" * 64) == ("refused", "no plan", 123)
+
+
+def test_the_suite_plans_afresh_whatever_the_shell_sets(tmp_path, monkeypatch):
+    """tests/conftest.py assigns AUTOSP_PLAN_CACHE=off: a user's own cache (set in the shell before pytest) would
+    serve plans to the suite's tests instead of the planner they test."""
+    import runpy
+    assert os.environ["AUTOSP_PLAN_CACHE"] == "off" and store.folder() is None
+    monkeypatch.setenv("AUTOSP_PLAN_CACHE", str(tmp_path / "the users own"))
+    runpy.run_path(os.path.join(os.path.dirname(__file__), "conftest.py"))     # as pytest runs it, first
+    assert store.folder() is None
 
 
 def _kept_job(rank, world, folder):

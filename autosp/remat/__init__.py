@@ -112,8 +112,11 @@ def _by_id(tiles: dict, chains) -> dict[str, int]:
 def _planned(local, memory_budget, dev, *, host_memory=None, refine: bool = True, tiles=None,
              plan_only: bool = False):
     """(Plan, Program, Joint, StepBoundary, tiling) of the step under the budget (_plan_now), or of the plan
-    kept on disk for the same step and arguments (store.py: the joint derived again, the plan applied to it;
-    with `plan_only`, neither: Program, Joint and StepBoundary are None); a refusal kept is raised again."""
+    kept on disk for the same step and arguments (store.py: the joint derived again, the plan applied to it and
+    simulated again; with `plan_only`, none of it: Program, Joint and StepBoundary are None, and the peak is the
+    stored one); a refusal kept is raised again."""
+    from dataclasses import replace
+
     from autosp.remat import store
     from autosp.remat.solve import time_limits
     name = store.key(local, memory_budget, dev, host_memory=host_memory, refine=refine, tiles=tiles)
@@ -121,7 +124,12 @@ def _planned(local, memory_budget, dev, *, host_memory=None, refine: bool = True
     if kept is not None and kept[0] == "refused":
         raise BudgetError(kept[1], least_peak_bytes=kept[2])
     if kept is not None:
-        return (kept[1], None, None, None, kept[5]) if plan_only else _applied(local, *kept[1:])
+        if plan_only:
+            return kept[1], None, None, None, kept[5]
+        plan, program, joint, boundary, ks = _applied(local, *kept[1:])
+        # the peak the run is held to is the memory model's of the program it runs, not the file's
+        plan = replace(plan, peak_bytes=int(simulate_step(program, dev.name).peak))
+        return plan, program, joint, boundary, ks
     limited = time_limits()
     try:
         plan, program, joint, boundary, ks = _plan_now(local, memory_budget, dev, host_memory=host_memory,

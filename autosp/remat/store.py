@@ -1,13 +1,14 @@
 """Plans kept on disk: a step planned once is not planned again by the next run of the same step.
 
-Planning is most of a warm start. `autosp train --model tiny --sp 2 --seq-len 4096 --memory 24MiB` spent 20 s of
-its first rank's 30 s before the first step in the planner (12 s of it in HiGHS), after the launcher's own 7.5 s
-checking the fit; inductor's cache already made the compiled step's warm start 8 s. A run that is started again (a
-resume, the next experiment at the same length, `autosp plan`'s printed command) plans the same step again.
+Planning is most of a warm start (bench/RESULTS.md, "plans kept on disk": `autosp train --model tiny --sp 2
+--seq-len 4096 --memory 24MiB` spent 20 s of its first rank's 30 s before the first step in the planner). A run that
+is started again (a resume, the next experiment at the same length, `autosp plan`'s printed command) reads the plan
+back instead.
 
 An entry is what the planning rank broadcasts (compile_step): the Plan, the values saved, recomputed and offloaded,
-and the tiling; at a hit the joint program is differentiated again and the plan applied to it (seconds, not the
-solves). A refused budget is kept too (its message and least peak). The key is everything a plan is a function of:
+and the tiling; at a hit the joint program is differentiated again, the plan applied to it and the result simulated
+again (remat/__init__.py, _planned: the Plan's peak_bytes is the simulation's, not the stored one). A refused budget
+is kept too (its message and least peak). The key is everything a plan is a function of:
 
     the per-rank program as printed   every equation, shape, dtype, layout and name the plan refers to
     the budget, the device's model    the budget as given, the cost model (device_for: link, FLOP/s), the host
@@ -16,6 +17,12 @@ solves). A refused budget is kept too (its message and least peak). The key is e
                                       collectives are scheduled (AUTOSP_OVERLAP: the simulated programs)
     what made it                      autosp's sources, torch's version (the joint is derived again at a hit),
                                       scipy's (HiGHS), Python's (pickle)
+
+An entry is a pickle, and unpickling runs code, so only what this user alone could have written is read: the
+folder and the entry must belong to this process's uid and be writable by no group or other user. Otherwise the
+entry is ignored (planned afresh, nothing written there), and the process says so once, with the path and the fix.
+autosp makes the folder (and each parent it makes) 0o700, an entry 0o600, and writes it atomically (a temporary
+file renamed over it); an entry that is a symbolic link is not followed.
 
 A plan is kept only when every MIP of its making finished: one cut short by its time limit (solve.TIME_LIMIT)
 answers with HiGHS's best so far, which another run on a busier machine may not reach, and ranks that plan apart
@@ -31,8 +38,10 @@ import os
 import pathlib
 import sys
 import tempfile
+import warnings
 
 VERSION = 1                 # the entry's layout
+_WARNED = False             # an ignored cache is said once a process (every entry of a shared folder would repeat it)
 
 
 def folder() -> pathlib.Path | None:
@@ -64,17 +73,27 @@ def key(local, memory_budget, dev, *, host_memory=None, refine: bool = True, til
 
 
 def load(name: str):
-    """The entry kept under `name` (its path set on its Plan), or None: none kept, keeping off, or unreadable."""
+    """The entry kept under `name` (its path set on its Plan), or None: none kept, keeping off, unreadable, or not
+    this user's alone (said once: see the module's docstring)."""
     from dataclasses import replace
 
     from autosp.ir.serial import loads
     where = folder()
-    if where is None:
+    if where is None or not _private(where):
         return None
     path = where / f"{name}.plan"
     try:
-        entry = loads(path.read_bytes())
-    except Exception:  # noqa: BLE001 - none kept, or a torn or stale entry: planned again, and overwritten
+        # O_NOFOLLOW: a link planted in the folder is not read through; the checks are on what was opened (fstat)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not _trusted(path, os.fstat(f.fileno())):
+            return None
+        data = f.read()
+    try:
+        entry = loads(data)
+    except Exception:  # noqa: BLE001 - a torn or stale entry: planned again, and overwritten
         return None
     if not isinstance(entry, tuple) or not entry or entry[0] not in ("plan", "refused"):
         return None
@@ -84,15 +103,18 @@ def load(name: str):
 
 
 def save(name: str, entry: tuple) -> None:
-    """Keep `entry` under `name`, atomically (ranks of several sp groups may write one entry at once); a folder
-    that cannot be written keeps nothing, silently: keeping is an optimisation."""
+    """Keep `entry` under `name`, atomically (ranks of several sp groups may write one entry at once), readable by
+    this user alone; a folder that cannot be written keeps nothing, silently (keeping is an optimisation), and one
+    that is not this user's alone keeps nothing either (said once)."""
     from autosp.ir.serial import dumps
     where = folder()
     if where is None:
         return
     try:
-        where.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=where, prefix=f".{name[:16]}-", suffix=".tmp")
+        _make_private(where)
+        if not _private(where):
+            return
+        fd, tmp = tempfile.mkstemp(dir=where, prefix=f".{name[:16]}-", suffix=".tmp")     # 0o600
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(dumps(entry))
@@ -102,3 +124,62 @@ def save(name: str, entry: tuple) -> None:
             raise
     except OSError:
         return
+
+
+def _make_private(where: pathlib.Path) -> None:
+    """Make `where` and each missing parent, 0o700 (mkdir's mode is masked by the umask, and parents=True gives
+    the parents the umask's mode alone). A folder another process made first is left as it is: _private judges it."""
+    missing = []
+    while not where.is_dir():
+        missing.append(where)
+        if where.parent == where:
+            break
+        where = where.parent
+    for path in reversed(missing):
+        try:
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            continue
+        os.chmod(path, 0o700)
+
+
+def _uid() -> int | None:
+    """The uid an entry and its folder must belong to: this process's; None where the OS has no uids (Windows,
+    where POSIX modes are not what guards a file either: nothing is checked)."""
+    return os.getuid() if hasattr(os, "getuid") else None
+
+
+def _private(where: pathlib.Path) -> bool:
+    """Whether entries in the folder `where` may be read or written: it is there, and this user's alone."""
+    try:
+        st = os.stat(where)
+    except OSError:
+        return False
+    return _trusted(where, st)
+
+
+def _trusted(path, st) -> bool:
+    """Whether the file or folder `path`, of stat `st`, is this user's alone; if not, said once a process."""
+    uid = _uid()
+    if uid is None:
+        return True
+    if st.st_uid != uid:
+        _warn(path, f"it belongs to uid {st.st_uid}, not to this process's uid {uid}, and reading it would run "
+                    f"what its owner wrote",
+              f"AUTOSP_PLAN_CACHE=<a folder of your own>, or remove {path} if it is not meant to be there")
+        return False
+    if st.st_mode & 0o022:
+        who = " and ".join(w for w, bit in (("its group", 0o020), ("other users", 0o002)) if st.st_mode & bit)
+        _warn(path, f"it is writable by {who} (mode {st.st_mode & 0o7777:o}), who could plant code in it",
+              f"chmod go-w {path}, or AUTOSP_PLAN_CACHE=<a folder of your own>")
+        return False
+    return True
+
+
+def _warn(path, why: str, fix: str) -> None:
+    global _WARNED
+    if _WARNED:
+        return
+    _WARNED = True
+    warnings.warn(f"autosp's plan cache: {path} is ignored, the step planned afresh: {why}. Fix: {fix}.",
+                  stacklevel=2)
