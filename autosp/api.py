@@ -423,8 +423,8 @@ def model_state_summary(local: Graph) -> str:
 
 def attention_summary(local: Graph, device: str, sp: int | None = None) -> str:
     """One line per attention of the per-rank program: what its mask is and what runs it (the kernel
-    lowering picks, autosp/kernels/dispatch.py)."""
-    from autosp.kernels.dispatch import attention_kernel
+    lowering picks, autosp/ir/lower.py's attention_kernel)."""
+    from autosp.ir.lower import attention_kernel
     lines = ["# attention"]
     for e in local.eqns:
         where = f" at {e.source}" if e.source else ""

@@ -459,8 +459,42 @@ def test_a_checkpoint_of_4_ranks_exports_to_a_hugging_face_folder(runs, capsys):
         assert torch.equal(trained(ids).logits, hf(ids).logits)
     init = build_model(model_config(str(four)), seed=0)
     assert all(not torch.equal(p, q) for p, q in zip(trained.parameters(), init.parameters()))
+    # dp 2: the loss recorded is the mean of the dp ranks' (equal token counts): the whole batch's
+    assert close(exported_losses(runs / "four-hf", [3]), losses(four)[2:3])
     assert main(["export", str(four), "--step", "3", "--out", str(runs / "no")]) == 2
     assert "no checkpoint step-3 (it has step-2, step-4). Fix: --step 4" in capsys.readouterr().err
+
+
+def exported_losses(folder, steps: list[int]) -> list[float]:
+    """The losses of a Hugging Face folder's model on the batches of `steps` (1-based, as metrics.jsonl counts them)
+    of this module's runs: the default corpus, seed 0, 2 x 64 tokens; step n reads the batch of index n - 1
+    (train.micro_batches)."""
+    from transformers import AutoModelForCausalLM
+
+    from autosp.run.data import batch_inputs, stdlib_corpus
+    hf = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    got = []
+    for n in steps:
+        ids, labels, _ = batch_inputs(stdlib_corpus(), seq_len=64, batch=2, step=n - 1, seed=0)
+        with torch.no_grad():
+            got.append(float(hf(torch.from_numpy(ids), labels=torch.from_numpy(labels)).loss))
+    return got
+
+
+def test_the_exported_model_has_the_loss_the_run_recorded(runs, sharded_run, capsys):
+    """metrics.jsonl's loss of step n is the model after n - 1 updates on step n's batch, so the export of
+    checkpoint step-2 (written after step 2's update) has step 3's loss on step 3's batch: within 1e-5 (fp32, the
+    run at sp 2, this on one device). Not step 2's (the weights before that update) nor step 4's (the batch it
+    read with the weights after step 3): the pairing is exact, not near."""
+    out = sharded_run[0]
+    hf = runs / "saved-hf"
+    assert main(["export", str(out), "--step", "2", "--out", str(hf)]) == 0
+    capsys.readouterr()
+    recorded, (before, got, after) = losses(out), exported_losses(hf, [2, 3, 4])
+    print(f"export of step-2: {got!r} on step 3's batch, recorded {recorded[2]!r} "
+          f"(relative {abs(got - recorded[2]) / recorded[2]:.1e})")
+    assert close([got], recorded[2:3]), (got, recorded)
+    assert not close([before], recorded[1:2]) and not close([after], recorded[3:4]), (before, after, recorded)
 
 
 def _reshard_job(rank, world, model, path, save, offload):

@@ -493,10 +493,11 @@ def test_one_config_of_each_kernel_compiles_for_mi300x_without_spills():
 
 def test_lowering_dispatches_attention_to_the_measured_kernel(monkeypatch):
     """The traced (and sharded) program names one attention op, SDPA; lowering calls the kernel that
-    autosp.kernels.dispatch picks (flash only where measured faster: never on CPU), the lowered
-    program equals SDPA either way, and explain's attention summary names the kernel that runs."""
+    lowering's attention_kernel picks by autosp.kernels.dispatch (flash only where measured faster: never on
+    CPU), the lowered program equals SDPA either way, and explain's attention summary names the kernel that runs."""
     from autosp.api import attention_summary
     from autosp.ir import lower
+    from autosp.ir.lower import attention_kernel
     from autosp.kernels import dispatch
 
     g = torch.Generator().manual_seed(0)
@@ -507,7 +508,7 @@ def test_lowering_dispatches_attention_to_the_measured_kernel(monkeypatch):
 
     graph = autosp.trace(f, q, k, v)
     assert [e.op.name for e in graph.eqns] == ["attention"]
-    assert dispatch.attention_kernel(graph.eqns[0]) == "sdpa"
+    assert attention_kernel(graph.eqns[0]) == "sdpa"
     assert "flash_attention" not in lower(graph).code and "sdpa" in attention_summary(graph, "cpu")
     monkeypatch.setattr(dispatch, "flash_is_faster", lambda q, causal: True)
     gm = lower(graph)

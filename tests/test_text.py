@@ -71,6 +71,60 @@ def test_tokens_are_the_tokenizers_with_eos_between_documents_and_the_cache_is_r
     assert list(text.documents(str(tmp_path / "folder"))) == DOCS
 
 
+def test_the_cache_key_covers_the_tokenizers_config_the_libraries_and_the_format(tok_dir, tmp_path, monkeypatch):
+    """Two GPT-2 tokenizers that differ only in add_prefix_space (tokenizer_config.json; tokenizer.json is the same
+    file) make different ids: they are two caches, each with its own tokenizer's ids. Other transformers or
+    tokenizers versions, or another CACHE_FORMAT, are another key too."""
+    import shutil
+
+    from transformers import AutoTokenizer
+    data = _jsonl(tmp_path / "d.jsonl", DOCS)
+    folders = []
+    for prefix in (False, True):
+        folder = tmp_path / f"prefix-{prefix}"
+        shutil.copytree(tok_dir, folder)
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config.update(tokenizer_class="GPT2Tokenizer", add_prefix_space=prefix)
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        folders.append(str(folder))
+    assert (tmp_path / "prefix-False" / "tokenizer.json").read_bytes() == \
+        (tmp_path / "prefix-True" / "tokenizer.json").read_bytes()
+    caches = [text.tokenize(data, text.Tokenizer.of(f), cache_dir=str(tmp_path / "cache"), workers=1,
+                            progress=False) for f in folders]
+    assert not caches[1][1] and caches[0][0].folder != caches[1][0].folder
+    for folder, (cache, _) in zip(folders, caches):
+        ref = AutoTokenizer.from_pretrained(folder)
+        first = ref(DOCS[0], add_special_tokens=False)["input_ids"] + [ref.eos_token_id]
+        assert cache.tokens[:len(first)].tolist() == first
+    assert caches[0][0].tokens.tolist() != caches[1][0].tokens.tolist()     # the prefix space made other ids
+    tok = text.Tokenizer.of(folders[0])
+    key, versions = text.cache_key(data, tok, "text"), text.library_versions()
+    bumped = [versions.replace(f"{lib} ", f"{lib} 9") for lib in ("transformers", "tokenizers")]
+    assert len(set(bumped)) == 2 and versions not in bumped
+    changes = [("library_versions", lambda v=v: v) for v in bumped] + [("CACHE_FORMAT", text.CACHE_FORMAT + 1)]
+    for name, value in changes:
+        with monkeypatch.context() as m:
+            m.setattr(text, name, value)
+            assert text.cache_key(data, tok, "text") != key, name
+    assert text.cache_key(data, tok, "text") == key
+
+
+def test_text_that_is_not_utf8_is_an_error_naming_the_file_and_the_byte(tmp_path):
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("Grüße aus Köln".encode("latin-1"))
+    with pytest.raises(AutospError, match=r"latin1\.txt: not UTF-8 text: byte 2 is 0xfc \(invalid start byte\)\. "
+                                          r"Fix: convert the file to UTF-8"):
+        list(text.documents(str(latin)))
+    lines = tmp_path / "latin1.jsonl"
+    lines.write_bytes(b'{"text": "fine"}\n' + '{"text": "Grüße"}\n'.encode("latin-1"))
+    with pytest.raises(AutospError, match=r"latin1\.jsonl: line 2 is not UTF-8 text: its byte 12 is 0xfc .*Fix:"):
+        list(text.documents(str(lines)))
+    cache = tmp_path / "cache"
+    with pytest.raises(AutospError, match="not UTF-8"):       # nothing cached, not even half a cache
+        text.tokenize(str(latin), text.Tokenizer("bytes"), cache_dir=str(cache), workers=1, progress=False)
+    assert os.listdir(cache) == []
+
+
 def test_packed_documents_restart_their_positions_and_are_not_predicted_across(tmp_path):
     # a stream of documents of 3, 5, 9 and 7 tokens (EOS last in each), sequences of 8
     lengths = [3, 5, 9, 7]

@@ -31,6 +31,7 @@ import torch
 from autosp.ir.core import Eqn, Graph, Role, Var
 from autosp.ir.ops import Tag, op_for
 from autosp.passes.prefetch import layer_of, schedule_gathers
+from autosp.units import fmt_bytes
 
 aten = torch.ops.aten
 STARTS = ("all_to_all_start", "all_gather_param_start", "reduce_scatter_param_start")
@@ -316,7 +317,6 @@ def overlaps(graph: Graph, device) -> list[tuple]:
 def overlap_summary(program, device, full: bool = False) -> str:
     """`autosp explain`'s view of a scheduled step: each kind of collective, where it starts and is waited and the
     work between (`full`: one line per collective)."""
-    from autosp.remat.plan import _fmt
     program = schedule_program(program)
     lines = ["# collectives started early, waited late (each: start -> wait, the work between; seconds by the cost "
              f"model of {device.name})"]
@@ -331,13 +331,13 @@ def overlap_summary(program, device, full: bool = False) -> str:
             n_between = sorted(r[3] for r in rs)
             hidden = sum(min(r[5], r[6]) for r in rs)
             total = sum(r[6] for r in rs)
-            lines.append(f"  {part} {kind} x{len(rs)}: {_fmt(sum(r[4] for r in rs))} moved; "
+            lines.append(f"  {part} {kind} x{len(rs)}: {fmt_bytes(sum(r[4] for r in rs))} moved; "
                          f"{n_between[len(n_between) // 2]} equations between start and wait (median, "
                          f"{n_between[0]}-{n_between[-1]}); transfer {total * 1e3:.3g} ms, "
                          f"{hidden * 1e3:.3g} ms of it under compute")
             if full:
                 lines += [f"    %{graph.eqns[s].outputs[-1].name}: start at {s}, wait at {w}, {k} equations "
-                          f"between ({t_between * 1e3:.3g} ms), transfer {_fmt(moved)} ({t_link * 1e3:.3g} ms)"
+                          f"between ({t_between * 1e3:.3g} ms), transfer {fmt_bytes(moved)} ({t_link * 1e3:.3g} ms)"
                           for _, s, w, k, moved, t_between, t_link in rs]
     if len(lines) == 1:
         lines.append("  none: this step has no all-to-all, parameter gather or gradient reduce-scatter")

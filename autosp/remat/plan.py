@@ -30,6 +30,7 @@ from autosp.remat.cuts import activations, checkpoint_plans
 from autosp.remat.problem import IlpProblem, Needs, build, host_limit
 from autosp.remat.solve import Infeasible, solve
 from autosp.remat.template import tie, untie, variable_classes
+from autosp.units import fmt_bytes as _fmt  # api.py's explain reads it from here too
 
 
 class BudgetError(AutospError):
@@ -112,15 +113,6 @@ class Plan:
             lines.append(f"tiled: {name} in {k} tiles along the sequence (its widest value {_fmt(whole)} whole, "
                          f"{_fmt(tile)} per tile: {_fmt(whole - tile)} less live at once)")
         return "\n".join(lines)
-
-
-def _fmt(n) -> str:
-    if n is None:
-        return "none"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,

@@ -43,18 +43,10 @@ import torch
 from autosp.errors import AutospError
 from autosp.run.meshes import planning_mesh
 from autosp.run.models import build_model, count_parameters
+from autosp.units import fmt_bytes as fmt  # answer, explain and train read it from here
 
 _MOMENTS = {"adamw": 2, "sgd": 0}            # fp32 optimizer moments per parameter
 _COLLECTIVES = ("all_to_all", "all_reduce_sum", "all_gather_seq", "all_gather_param", "reduce_scatter_param")
-
-
-def fmt(n: float) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 # ---------------------------------------------------------------- programs at one length

@@ -8,10 +8,13 @@
 A document is a file of a `.txt`, a JSONL line's `text_field`, a Parquet row's column, a dataset row's column.
 Each is tokenized without special tokens and followed by the tokenizer's EOS, so documents are separated in the
 stream and the packing (data.py) knows where each starts. The cache lives in `cache_dir/KEY/` (`tokens.bin`,
-`starts.npy`, `meta.json`), KEY a hash of the input files (path, size, modification time), the tokenizer's files
-and the text field: a second run with the same inputs opens it without reading a document. It is written to a
-temporary folder and renamed into place, so a cache that exists is whole; a bad line found while reading leaves
-nothing behind. The byte-level presets keep bytes: each document's UTF-8 bytes, separated by byte 0.
+`starts.npy`, `meta.json`), KEY a hash of everything the tokens depend on: the input files (path, size,
+modification time), the text field, the tokenizer (all its saved files, its config too: `add_prefix_space` in
+tokenizer_config.json changes the ids while tokenizer.json stays the same), the transformers and tokenizers
+versions that load and run it, and CACHE_FORMAT. A second run with the same inputs opens it without reading a
+document. It is written to a temporary folder and renamed into place, so a cache that exists is whole; a bad line
+found while reading leaves nothing behind. Text is UTF-8: other bytes are an error naming the file and the byte,
+never replaced in silence. The byte-level presets keep bytes: each document's UTF-8 bytes, separated by byte 0.
 """
 from __future__ import annotations
 
@@ -32,6 +35,9 @@ TOKEN_SUFFIXES = (".npy", ".bin")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "vocab.txt",
                     "merges.txt", "tokenizer.model", "added_tokens.json")
 _BATCH_BYTES = 1 << 20                 # documents handed to a worker at a time, about this many bytes
+# The cache's layout and what its tokens mean (no special tokens, EOS after each document): a change to either
+# bumps it, so that no cache written by the code before is read as this code's.
+CACHE_FORMAT = 2
 
 
 # ---------------------------------------------------------------- the tokenizer
@@ -63,34 +69,29 @@ class Tokenizer:
                               "Fix: a folder written by a fast tokenizer's save_pretrained.") from None
 
     def digest(self) -> str:
-        """What identifies the tokenizer: a fast tokenizer's definition (tokenizer.json, as JSON: a copy saved again
-        is the same tokenizer) and its EOS token; else its files' bytes."""
+        """What identifies the tokenizer's ids: every file it was saved as (the JSON ones as JSON, so a copy saved
+        again is the same tokenizer), its config included (transformers applies tokenizer_config.json's
+        `add_prefix_space` and special tokens to the definition in tokenizer.json when it loads), and the versions
+        of the libraries that load and run it. Read from the files, not from a loaded tokenizer: every rank asks,
+        and loading one takes seconds."""
         h = hashlib.sha256(self.path.encode() if self.path == "bytes" else b"")
         if self.path == "bytes":
             return h.hexdigest()
-        definition = os.path.join(self.path, "tokenizer.json")
-        if os.path.isfile(definition):
-            with open(definition) as f:
-                h.update(json.dumps(json.load(f), sort_keys=True).encode())
-            h.update(str(self._special("eos_token")).encode())
-            return h.hexdigest()
+        h.update(library_versions().encode())
         for name in _TOKENIZER_FILES:
             file = os.path.join(self.path, name)
-            if os.path.isfile(file):
-                h.update(name.encode())
-                with open(file, "rb") as f:
-                    h.update(f.read())
+            if not os.path.isfile(file):
+                continue
+            with open(file, "rb") as f:
+                data = f.read()
+            if name.endswith(".json"):
+                try:
+                    data = json.dumps(json.loads(data), sort_keys=True).encode()
+                except ValueError:       # transformers refuses it when it loads: the bytes identify it until then
+                    pass
+            h.update(f"\0{name}\0{len(data)}\0".encode())
+            h.update(data)
         return h.hexdigest()
-
-    def _special(self, key: str):
-        for name in ("tokenizer_config.json", "special_tokens_map.json"):
-            file = os.path.join(self.path, name)
-            if os.path.isfile(file):
-                with open(file) as f:
-                    value = json.load(f).get(key)
-                if value is not None:
-                    return value.get("content") if isinstance(value, dict) else value
-        return None
 
     def vocab_and_eos(self) -> tuple[int, int]:
         """(the number of token ids it can produce, its EOS id)."""
@@ -101,6 +102,18 @@ class Tokenizer:
             raise AutospError(f"--tokenizer {self.path}: it has no EOS token, which separates the documents. Fix: "
                               "a tokenizer with an eos_token (set tokenizer.eos_token and save it again).")
         return len(tok), int(tok.eos_token_id)
+
+
+def library_versions() -> str:
+    """The versions of transformers and tokenizers: the same files may tokenize otherwise under another version."""
+    from importlib.metadata import PackageNotFoundError, version
+    found = []
+    for name in ("transformers", "tokenizers"):
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            found.append(f"{name} absent")
+    return ", ".join(found)
 
 
 class _Bytes:
@@ -150,12 +163,24 @@ def _read(source: str, field: str) -> Iterator[str]:
     if os.path.isdir(source):
         yield from _dataset(source, field)
     elif source.endswith(".txt"):
-        with open(source, encoding="utf-8", errors="replace") as f:
-            yield f.read()
+        with open(source, "rb") as f:
+            data = f.read()
+        try:
+            yield data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise AutospError(f"--data {source}: not UTF-8 text: byte {exc.start:,} is {data[exc.start]:#04x} "
+                              f"({exc.reason}). Fix: convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8 "
+                              f"{source} > {source[:-4]}.utf8.txt), or remove it from --data.") from None
     elif source.endswith((".jsonl", ".jsonl.gz")):
         opener = gzip.open if source.endswith(".gz") else open
-        with opener(source, "rt", encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
+        with opener(source, "rb") as f:      # bytes, decoded line by line: a bad byte is named by its line
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise AutospError(f"--data {source}: line {n} is not UTF-8 text: its byte {exc.start:,} is "
+                                      f"{raw[exc.start]:#04x} ({exc.reason}). Fix: write the file as UTF-8 (json.dumps"
+                                      " escapes any text as ASCII), or convert it (iconv -t utf-8).") from None
                 if not line.strip():
                     continue
                 try:
@@ -227,6 +252,7 @@ def cache_key(path: str, tokenizer: Tokenizer, text_field: str) -> str:
             h.update(f"{os.path.abspath(file)}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
     h.update(tokenizer.digest().encode())
     h.update(text_field.encode())
+    h.update(f"\0autosp token cache {CACHE_FORMAT}".encode())
     return h.hexdigest()[:24]
 
 
@@ -312,7 +338,8 @@ def tokenize(path: str, tokenizer: Tokenizer, *, text_field: str = "text", cache
                               "Fix: a corpus with text in it (check --text-field).")
         np.save(os.path.join(tmp, "starts.npy"), np.asarray(starts, dtype=np.int64))
         meta = {"tokens": count, "documents": docs_seen, "dtype": np.dtype(dtype).name, "eos": eos, "vocab": vocab,
-                "tokenizer": tokenizer.path, "text_field": text_field, "sources": sources(path)}
+                "tokenizer": tokenizer.path, "text_field": text_field, "sources": sources(path),
+                "format": CACHE_FORMAT, "libraries": None if tokenizer.path == "bytes" else library_versions()}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
         folder = os.path.join(root, key)
