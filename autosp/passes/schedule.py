@@ -10,7 +10,8 @@
 What moves where:
 - K and V go out while Q is projected and rotated (keys_first);
 - an all-to-all starts right after the last of its inputs is made and is waited right before the first equation
-  that reads one of its outputs (attention's gradient all-to-all overlaps the weight gradient computed beside it);
+  that reads one of its outputs (attention's gradient all-to-alls hide nothing: the weight gradient beside the
+  first runs before its start, and only views are left between; tests/test_schedule.py holds each kind's share);
 - a parameter's gather starts where passes/prefetch put it (a layer ahead) and is waited at the parameter's first
   use; moving it further up would hold more layers gathered than the plan counted;
 - a gradient's reduce-scatter starts as soon as the gradient is made, and the reduce-scatters of one layer (the
@@ -299,15 +300,26 @@ def schedule_program(program):
 
 # ---------------------------------------------------------------- what explain shows
 
+def does_work(e: Eqn) -> bool:
+    """Whether `e`, run between a collective's start and its wait, is compute the transfer can hide under: not
+    another start or wait, and not a view (its outputs alias its inputs: detach, view, t, unsqueeze, ...), which the
+    cost model prices at nothing."""
+    from autosp.ir.aliases import aliases
+    if e.op.name in STARTS or e.op.name == "wait_collective":
+        return False
+    return not (e.outputs and all(a is not None for a in aliases(e)))
+
+
 def overlaps(graph: Graph, device) -> list[tuple]:
-    """Per posted collective of a scheduled program: (kind, start index, wait index, equations between, bytes
-    moved, seconds of the equations between, seconds of the transfer) by the cost model (remat.cost)."""
+    """Per posted collective of a scheduled program: (kind, start index, wait index, equations of work between
+    (does_work: views not counted), bytes moved, seconds of those equations, seconds of the transfer) by the cost
+    model (remat.cost)."""
     from autosp.remat.cost import eqn_cost, eqn_terms
     eqns = graph.eqns
     rows = []
     for s, w in _groups(graph):
         e = eqns[s]
-        between = [x for x in eqns[s + 1:w] if x.op.name not in STARTS and x.op.name != "wait_collective"]
+        between = [x for x in eqns[s + 1:w] if does_work(x)]
         fixed, _, _, link = eqn_terms(e, device)
         rows.append((e.op.name.removesuffix("_start"), s, w, len(between), int(link),
                      sum(eqn_cost(x, device).seconds for x in between), fixed + link / device.link_bw))
@@ -332,11 +344,11 @@ def overlap_summary(program, device, full: bool = False) -> str:
             hidden = sum(min(r[5], r[6]) for r in rs)
             total = sum(r[6] for r in rs)
             lines.append(f"  {part} {kind} x{len(rs)}: {fmt_bytes(sum(r[4] for r in rs))} moved; "
-                         f"{n_between[len(n_between) // 2]} equations between start and wait (median, "
-                         f"{n_between[0]}-{n_between[-1]}); transfer {total * 1e3:.3g} ms, "
+                         f"{n_between[len(n_between) // 2]} equations of work between start and wait (median, "
+                         f"{n_between[0]}-{n_between[-1]}; views not counted); transfer {total * 1e3:.3g} ms, "
                          f"{hidden * 1e3:.3g} ms of it under compute")
             if full:
-                lines += [f"    %{graph.eqns[s].outputs[-1].name}: start at {s}, wait at {w}, {k} equations "
+                lines += [f"    %{graph.eqns[s].outputs[-1].name}: start at {s}, wait at {w}, {k} equations of work "
                           f"between ({t_between * 1e3:.3g} ms), transfer {fmt_bytes(moved)} ({t_link * 1e3:.3g} ms)"
                           for _, s, w, k, moved, t_between, t_link in rs]
     if len(lines) == 1:
