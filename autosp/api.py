@@ -347,7 +347,8 @@ def plan(fn, mesh, *args, memory_budget=None, in_specs=None, host_bandwidth=None
     """The remat plan of value_and_grad(fn, mesh, memory_budget=...) on these arguments; runs nothing.
 
     Arguments may be meta tensors. The gradient is taken w.r.t. the first argument, as in
-    value_and_grad. `device` ('cpu', 'cuda') picks the cost model; by default the arguments'.
+    value_and_grad. `device` ('cpu', 'cuda' or a GPU of autosp.remat.cost.GPUS such as 'h100') picks the cost
+    and memory model, each op priced at the kernel that device runs; by default the arguments' device.
     `host_memory`: bytes per rank (or '64GiB') that offloaded activations may take; None: no limit.
     """
     from autosp.remat import plan_step
@@ -360,10 +361,11 @@ def plan(fn, mesh, *args, memory_budget=None, in_specs=None, host_bandwidth=None
 
 
 def explain(fn, mesh, *args, in_specs=None, memory_budget=None, host_bandwidth=None, host_memory=None,
-            ring=None, tiles=None) -> str:
+            ring=None, tiles=None, device: str | None = None) -> str:
     """The chain printed: the global trace, the per-rank graph with layouts and collectives, and,
     with a memory_budget, the remat plan with its predicted peak (the gradient is taken w.r.t.
-    the first argument, as in value_and_grad)."""
+    the first argument, as in value_and_grad). `device`: as autosp.plan's."""
+    device = device or _device_of(args)
     if memory_budget is not None and args:
         args = (_differentiable(args[0]),) + tuple(args[1:])
     graph, local = Sharded(fn, mesh, in_specs, ring=ring).graphs(*args)
@@ -372,18 +374,19 @@ def explain(fn, mesh, *args, in_specs=None, memory_budget=None, host_bandwidth=N
     head = (f"# autosp.explain: sp={mesh_info(mesh).sp_size}, {len(graph.eqns)} global equations -> "
             f"{len(local.eqns)} per-rank, collectives: "
             + ", ".join(f"{n}x{sum(e.op.name == n for e in colls)}" for n in sorted({e.op.name for e in colls})))
-    parts = [head, attention_summary(local, _device_of(args), mesh_info(mesh).sp_size)]
+    parts = [head, attention_summary(local, device, mesh_info(mesh).sp_size)]
     state = model_state_summary(local)
     if state:
         parts.append(state)
     parts += [str(graph), str(local)]
     if memory_budget is not None:
         from autosp.remat import plan_step
-        plan, program, _, _ = plan_step(local, memory_budget, device=_device_of(args), host_bandwidth=host_bandwidth,
+        plan, program, _, _ = plan_step(local, memory_budget, device=device, host_bandwidth=host_bandwidth,
                                         host_memory=host_memory, tiles=_check_tiles(tiles, memory_budget))
         from autosp.passes.schedule import overlap_summary, schedule_program
         from autosp.remat.cost import device_for
-        parts += [str(plan), overlap_summary(program, device_for(_device_of(args), host_bandwidth), full=True)]
+        parts += [str(plan), attention_backward_summary(program, device),
+                  overlap_summary(program, device_for(device, host_bandwidth), full=True)]
         scheduled = schedule_program(program)
         parts += [str(scheduled.forward), str(scheduled.backward)]
     return "\n\n".join(parts)
@@ -463,7 +466,25 @@ def attention_summary(local: Graph, device: str, sp: int | None = None) -> str:
                 lines.append(f"  flash_attention{where}: {causal}, autosp's Triton kernel (the GPU check measured it "
                              "faster than SDPA at this shape)")
             else:
-                why = (" (no GPU check measured autosp's Triton kernel faster at this shape)"
-                       if device == "cuda" else "")
+                from autosp.remat import liveness
+                from autosp.remat.cost import device_for
+                dev = device_for(device)
+                why = ("" if dev.kind == "cpu" else f" on {dev.name}: {liveness.sdpa_backend(dev.attention, e.inputs[0])}"
+                       " (no GPU check measured autosp's Triton kernel faster at this shape)")
                 lines.append(f"  sdpa{where}: {causal}, SDPA's fused kernel{why}")
     return "\n".join(lines) if len(lines) > 1 else "# attention: none"
+
+
+def attention_backward_summary(program, device: str) -> str:
+    """One line per attention backward of a planned step: the kernel `device` runs for it and the scratch the memory
+    model prices it at (its own, beyond its inputs and outputs)."""
+    from autosp.remat import liveness
+    from autosp.remat.plan import _fmt as _fmt_bytes
+    lines = [f"# attention backward on {device}: the kernel and its scratch, as the memory model prices them"]
+    for e in program.backward.eqns:
+        kernel = liveness.attention_backward_kernel(e, device)
+        if kernel is not None:
+            q, k = e.inputs[1], e.inputs[2]
+            lines.append(f"  {kernel}: q {q.type_str()}, k {k.type_str()} -> scratch "
+                         f"{_fmt_bytes(liveness.workspace(e, device))}")
+    return "\n".join(lines) if len(lines) > 1 else "# attention backward: none"

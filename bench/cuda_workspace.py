@@ -8,8 +8,10 @@ counts it per aten overload; this script holds it to the allocator at real sizes
          memory_budget 'least' by default), the ops with the largest workspaces and every op the model names
   ops    SDPA's backends (FLASH, EFFICIENT, cuDNN) forward and backward, MHA and GQA, head dims 64 and 128, and
          embedding_dense_backward (distinct and repeated token ids), each alone
+  heldout  the same at shapes the formulas were not fitted to: batch 2, head dim 96, lengths that are not multiples
+         of 128, embedding ids not a multiple of anything; the formula's error for each (bench/gpu_check.sh)
 
-    python bench/cuda_workspace.py [--seq 32768] [--layers 4] [--parts step,ops]
+    python bench/cuda_workspace.py [--seq 32768] [--layers 4] [--parts ops,heldout,step]
 
 Prints one markdown table per part: op, shapes, measured workspace, the model's, their difference.
 """
@@ -98,17 +100,17 @@ def step_part(args) -> str:
                  f"names; attention/embedding ops that ran: {', '.join(ops)}", shown)
 
 
-def ops_part(args) -> str:
+def ops_part(args, b: int = 1, cases=((32, 8, 64, 32768), (32, 32, 64, 8192), (32, 8, 128, 16384),
+                                       (32, 32, 128, 4096)), ids=(4096, 32768), title="Ops alone") -> str:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     rows = []
-    cases = [(32, 8, 64, 32768), (32, 32, 64, 8192), (32, 8, 128, 16384), (32, 32, 128, 4096)]
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
         for hq, hk, d, s in cases:
             g = torch.Generator(device="cuda").manual_seed(0)
-            q = torch.randn(1, hq, s, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-            k = torch.randn(1, hk, s, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-            v = torch.randn(1, hk, s, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-            do = torch.randn(1, hq, s, d, device="cuda", dtype=torch.bfloat16, generator=g)
+            q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+            k = torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+            v = torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+            do = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16, generator=g)
             mode = OpScratch()
             try:
                 with sdpa_kernel(backend), mode:
@@ -120,7 +122,7 @@ def ops_part(args) -> str:
                 continue
             rows += [r for r in mode.rows if "attention" in r[0]]
             del q, k, v, do, out
-    for n, distinct in ((4096, True), (32768, True), (32768, False)):
+    for n, distinct in [(n, True) for n in ids] + [(ids[-1], False)]:
         w = torch.zeros(128256, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         ids = (torch.randperm(128256, device="cuda")[:n] if distinct
                else torch.zeros(n, dtype=torch.long, device="cuda"))
@@ -131,7 +133,13 @@ def ops_part(args) -> str:
         kind = "distinct" if distinct else "one"
         rows += [(f"{r[0]} ({kind} ids)", *r[1:]) for r in mode.rows if "embedding" in r[0]]
         del w, x
-    return table("Ops alone (bf16, causal, batch 1)", rows)
+    return table(f"{title} (bf16, causal, batch {b})", rows)
+
+
+def heldout_part(args) -> str:
+    """Shapes no formula was fitted to: batch 2, head dim 96, lengths off the 128 grid, GQA and not."""
+    return ops_part(args, b=2, cases=((32, 8, 96, 12_345), (16, 16, 96, 5_000), (24, 8, 128, 9_999),
+                                      (32, 8, 64, 20_000)), ids=(3_500, 25_001), title="Held-out shapes")
 
 
 def main(argv=None) -> int:
@@ -139,12 +147,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--budget", default="least")
-    ap.add_argument("--parts", default="ops,step")
+    ap.add_argument("--parts", default="ops,heldout,step")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("cuda_workspace: no GPU visible (it measures the CUDA caching allocator)")
         return 2
-    parts = {"ops": ops_part, "step": step_part}
+    parts = {"ops": ops_part, "heldout": heldout_part, "step": step_part}
     for name in args.parts.split(","):
         print(parts[name](args), flush=True)
     return 0

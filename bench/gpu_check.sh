@@ -25,8 +25,14 @@
 #  7. with GPU_CHECK_ALL=1 (both measured on the first H200 run, 2026-12-04): Ulysses pack/unpack bandwidth against
 #     a plain copy, and masked_attention's kernel: packed documents against plain causal at the same length
 #
-# First run: an H200, 2026-12-04, 422 s (bench/RESULTS.md, "The whole step on an H200"). The kernels' scratch the
-# memory model counts is measured apart: `python bench/cuda_workspace.py` (80 s).
+#  8. the kernels' scratch at held-out shapes (bench/cuda_workspace.py --parts heldout: batch 2, head dim 96, lengths
+#     off the 128 grid), each formula's error printed; and the main job's plan made from a meta trace (`autosp plan
+#     --gpu`, as on a machine without a GPU) against what step 6 measured
+#
+# Steps 3 and 4 exit non-zero (rc 3, "BROKEN PROMISE") when a measured peak is more than 0.1 % above its plan or above
+# the same step planned from a meta trace for this GPU.
+#
+# First run: an H200, 2026-12-04, 422 s (bench/RESULTS.md, "The whole step on an H200").
 #
 # OUT_DIR holds: logs.tar.gz (every step's log), summary.txt, kernel_configs.json, attention_table.md,
 # whole_step_table.md, offload_131k_table.md, step_table.md, and with GPU_CHECK_ALL a2a_table.md, masked_table.md.
@@ -112,12 +118,13 @@ tail -n 3 "$LOGS/pytest_cuda.log" | sed 's/^/   | /'
 #    shows its rows.
 STEP_CONFIGS="eager 1.0,eager 0.5,eager least,eager least untiled,offload 0.5 fast link,compiled 0.5"
 STEP_CONFIGS+=",compiled offload 0.5 fast link"
+GPU="${GPU_CHECK_GPU:-h200}"   # the GPU the meta plans are made for (autosp.remat.cost.GPUS)
 run_step whole_step 240 "$PY" bench/gpu_step.py --seq 32768 --layers 4 --configs "$STEP_CONFIGS" \
-  --out "$LOGS/whole_step"
+  --out "$LOGS/whole_step" --gpu "$GPU"
 
 # 4. the planner's own offload at the real link (the least at 131,072 tokens, 2 layers) against recomputing
 run_step offload_131k 100 "$PY" bench/gpu_step.py --seq 131072 --layers 2 --out "$LOGS/offload_131k" \
-  --configs "eager least,offload least"
+  --configs "eager least,offload least" --gpu "$GPU"
 
 # 5. quick autotuning of attention at one length (other lengths use the nearest tuned bucket), then the benchmarks
 if [ -n "${GPU_CHECK_TUNE:-}" ]; then   # 40 s did not finish the backward's search on the first H200 run
@@ -133,6 +140,11 @@ RUNS="$(mktemp -d "$RUNS/autosp_train.XXXX")"
 run_step step 120 "$PY" -m autosp train --model llama-3.2-1b --sp 1 --device cuda --seq-len 32768 \
   --memory-budget 0.3 --steps 2 --out "$RUNS/run"
 rm -rf "$RUNS"
+
+# 8. held-out shapes for the scratch formulas, and the main job planned from a meta trace for this GPU
+run_step workspace_heldout 60 "$PY" bench/cuda_workspace.py --parts heldout
+run_step meta_plan 90 "$PY" -m autosp plan --model llama-3.2-1b --sp 1 --gpu "$GPU" --seq-len 32768 \
+  --memory-budget 0.3
 
 if [ -n "${GPU_CHECK_ALL:-}" ]; then
   run_step a2a 30 "$PY" bench/bench_kernels.py a2a --out "$OUT/a2a_table.md"
@@ -157,6 +169,8 @@ tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
   echo
   [ -f "$OUT/masked_table.md" ] && cat "$OUT/masked_table.md" && echo
   [ -f "$OUT/step_table.md" ] && cat "$OUT/step_table.md" && echo
+  grep -E "predicted peak|^-> " "$LOGS/meta_plan.log" 2>/dev/null | sed 's/^/meta plan: /' && echo
+  sed -n '/^Held-out/,$p' "$LOGS/workspace_heldout.log" 2>/dev/null && echo
   [ -f "$OUT/whole_step_table.md" ] && cat "$OUT/whole_step_table.md" && echo
   [ -s "$OUT/offload_131k_table.md" ] && echo "131,072 tokens, 2 layers:" && cat "$OUT/offload_131k_table.md" && echo
   if [ -f "$OUT/attention_table.md" ]; then

@@ -21,8 +21,14 @@ them, 4 by default so that inductor compiles it within the GPU check's budget), 
     compiled offload 0.5 fast link  the same through inductor: its waits kept, each offload ending its segment
 
 Per configuration: torch.cuda.max_memory_allocated above what was live before the step against plan.peak_bytes,
-the median step time, the loss (every configuration computes the same one: its spread is printed). A configuration
-that fails (out of memory, a refused budget) is a row saying so; the others still run. The table is printed last.
+the median step time, the loss (every configuration computes the same one: its spread is printed), and the same
+step planned from a meta trace for this GPU (`autosp.plan(..., device=<--gpu>)`, as `autosp plan` plans on a machine
+without one: ATen's CPU attention backward in the trace, priced as the kernel this GPU runs) against the plan made
+from the real tensors and against the measurement. A configuration that fails (out of memory, a refused budget) is a
+row saying so; the others still run. The table is printed last.
+
+Exit status: 0 when every configuration ran and measured at most 0.1 % above its plan (and the meta plan); 1 when
+one failed; 3 when a measured peak broke the plan's promise (the rows are named).
 
     python bench/gpu_step.py --out DIR                    # on the GPU (bench/gpu_check.sh runs it)
     .venv/bin/python bench/gpu_step.py --device cpu --tiny  # the same code at toy sizes on CPU (tests run it)
@@ -108,6 +114,9 @@ def main(argv=None):
                     help="comma-separated names, run in this order, from: " + ", ".join(name for name, _ in CONFIGS))
     ap.add_argument("--tiny", action="store_true", help="toy shapes (hidden 64, vocab 256): the script's own test")
     ap.add_argument("--out", default=None, help="folder for results.jsonl")
+    ap.add_argument("--gpu", default="cuda", help="the GPU the meta plans are made for (autosp.remat.cost.GPUS, "
+                    "or cuda: the default GPU model); 'none' skips them")
+    ap.add_argument("--tolerance", type=float, default=1e-3, help="how far above its plan a measured peak may be")
     args = ap.parse_args(argv)
     if args.tiny and args.seq == 32768:
         args.seq = 256
@@ -136,6 +145,13 @@ def main(argv=None):
     unknown = [name for name in wanted if name not in known]
     if unknown:
         ap.error(f"--configs: unknown {unknown}; known: {list(known)}")
+    meta = None
+    if args.gpu != "none":                                       # the same model on meta, as `autosp plan` traces it
+        with torch.device("meta"):
+            meta_model = build(args, torch.device("meta"))
+        meta_model = meta_model.to(dtype=next(iter(params.values())).dtype)
+        meta = (llama_loss(meta_model), {k: v.detach().requires_grad_(True) for k, v in meta_model.named_parameters()},
+                torch.empty(ids.shape, dtype=ids.dtype, device="meta"))
     rows = []
     for name in wanted:                                          # in the order asked for
         kw = known[name]
@@ -151,6 +167,11 @@ def main(argv=None):
             row["seconds"], row["measured_bytes"], row["loss"] = measure(lambda: vg(params, ids, ids), device,
                                                                          args.steps)
             row["ratio"] = row["measured_bytes"] / row["plan_bytes"]
+            if meta is not None:
+                mfn, mparams, mids = meta
+                kw_plan = {k: v for k, v in kw.items() if k != "compile"}
+                row["meta_plan_bytes"] = autosp.plan(mfn, mesh, mparams, mids, mids, device=args.gpu,
+                                                     **kw_plan).peak_bytes
         except Exception as exc:  # noqa: BLE001 - a row saying what failed; the other configurations still run
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
             traceback.print_exc()
@@ -166,17 +187,22 @@ def main(argv=None):
             f.writelines(json.dumps(r) + "\n" for r in rows)
     losses = [r["loss"] for r in rows if "loss" in r]
     eager = next((r["seconds"] for r in rows if r["config"] == "eager 0.5" and "seconds" in r), None)
-    print("\n| configuration | plan peak (GiB) | measured (GiB) | measured / plan | offloaded (GiB) | step (s) | "
-          "vs eager 0.5 | first step (s) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"\n| configuration | plan peak (GiB) | measured (GiB) | measured / plan | meta plan for {args.gpu} (GiB) "
+          "| measured / meta plan | offloaded (GiB) | step (s) | vs eager 0.5 | first step (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    broken = []
     for r in rows:
         if "error" in r:
-            print(f"| {r['config']} | failed: {r['error']} | | | | | | |")
+            print(f"| {r['config']} | failed: {r['error']} | | | | | | | | |")
             continue
         vs = f"{r['seconds'] / eager:.3f}" if eager else ""
+        m = r.get("meta_plan_bytes")
+        mr = r["measured_bytes"] / m if m else None
         print(f"| {r['config']} | {r['plan_bytes'] / 2**30:.3f} | {r['measured_bytes'] / 2**30:.3f} | "
-              f"{r['ratio']:.4f} | {r['offload_bytes'] / 2**30:.3f} | {r['seconds']:.3f} | {vs} | "
-              f"{r['first_s']:.1f} |")
+              f"{r['ratio']:.4f} | {'' if m is None else f'{m / 2**30:.3f}'} | {'' if mr is None else f'{mr:.4f}'} | "
+              f"{r['offload_bytes'] / 2**30:.3f} | {r['seconds']:.3f} | {vs} | {r['first_s']:.1f} |")
+        if r["ratio"] > 1 + args.tolerance or (mr is not None and mr > 1 + args.tolerance):
+            broken.append(r["config"])
     full = next((r["seconds"] for r in rows if r["config"] == "eager 1.0" and "seconds" in r), None)
     for r in rows:                  # the copies out and back against the time the step spent beyond no remat
         if full and r.get("offload_bytes") and "seconds" in r:
@@ -186,6 +212,9 @@ def main(argv=None):
         print(f"\nloss {losses[0]:.6f}; largest relative spread over the configurations "
               f"{(max(losses) - min(losses)) / abs(losses[0]):.2e}")
     dist.destroy_process_group()
+    if broken:
+        print(f"\nBROKEN PROMISE: measured above the plan by more than {100 * args.tolerance:g} %: {', '.join(broken)}")
+        return 3
     return 0 if all("error" not in r for r in rows) else 1
 
 

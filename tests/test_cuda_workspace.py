@@ -69,3 +69,87 @@ def test_planning_for_a_gpu_counts_the_kernel_scratch():
     for peaks, scratch in run_ranks(_embedding_job, 2):
         assert scratch > 0
         assert peaks["cuda"] - peaks["cpu"] == scratch, (peaks, scratch)
+
+
+def _attention_job(rank, world):
+    """A step whose attention is traced on the host (meta tensors, as `autosp plan` traces): each attention backward
+    of its plan, the kernel the memory model names for it and the scratch it prices, per device."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autosp.api import Sharded
+    from autosp.remat import plan_step
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
+    wq = torch.empty(64, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.empty(2, 256, 64, device="meta", dtype=torch.bfloat16)
+
+    def fn(params, x):
+        q = (x @ params["wq"]).unflatten(-1, (8, 8)).transpose(1, 2)           # (b, 8, s, 8)
+        k = q[:, :2]                                                            # GQA: 2 KV heads
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
+        return o.float().sum()
+
+    _, local = Sharded(fn, mesh, in_specs=(None, "b s d")).graphs({"wq": wq}, x)
+    out = {}
+    for dev in ("cpu", "cuda", "h100", "a100", "mi300x"):
+        plan, program, _, _ = plan_step(local, 1.0, device=dev)
+        bwd = [e for e in program.backward.eqns if L.attention_backward_kernel(e, dev) is not None]
+        out[dev] = [(L.attention_backward_kernel(e, dev), L.workspace(e, dev), tuple(e.inputs[1].shape),
+                     tuple(e.inputs[2].shape), str(e.op.target)) for e in bwd], plan.peak_bytes
+    return out
+
+
+def test_a_host_traced_attention_backward_is_priced_as_the_gpu_runs_it():
+    """A meta trace differentiates attention with ATen's CPU flash backward; a plan for a GPU prices it as the kernel
+    that GPU runs (cuDNN on Hopper, FLASH on A100 and MI300X), never at the CPU's scratch or at none."""
+    for out in run_ranks(_attention_job, 2):
+        rows = {dev: rows for dev, (rows, _) in out.items()}
+        assert len(rows["cpu"]) == 1 and "for_cpu_backward" in rows["cpu"][0][4]
+        (kind, _, q, k, _), = rows["cuda"]
+        assert q == (2, 4, 256, 8) and k == (2, 1, 256, 8)       # this rank's heads of the whole sequence
+        qm, km = _meta(*q), _meta(*k)
+        want = {"cpu": "cpu_flash", "cuda": "cudnn", "h100": "cudnn", "a100": "flash", "mi300x": "flash"}
+        for dev, ((kind, scratch, *_),) in rows.items():
+            assert kind == want[dev], (dev, kind)
+            if dev != "cpu":
+                assert scratch == L.CUDA_ATTENTION_BACKWARD[kind]([qm, qm, km], []) > 0, (dev, scratch)
+        peaks = {dev: peak for dev, (_, peak) in out.items()}
+        assert peaks["cuda"] == peaks["h100"] and peaks["a100"] == peaks["mi300x"]
+        assert peaks["a100"] > peaks["cuda"]                     # FLASH's rounded fp32 dQ, twice, against cuDNN's one
+
+
+def test_the_backend_sdpa_runs_follows_dtype_head_dim_and_mask():
+    q = _meta(1, 8, 64, 64)
+    assert L.sdpa_backend("cudnn", q) == "cudnn"
+    assert L.sdpa_backend("cudnn", _meta(1, 8, 64, 192)) == "flash"      # cuDNN: head dims up to 128
+    assert L.sdpa_backend("flash", q) == "flash"
+    assert L.sdpa_backend("cudnn", _meta(1, 8, 64, 64, dtype=torch.float32)) == "efficient"
+    assert L.sdpa_backend("cudnn", q, masked=True) == "efficient"
+
+
+def _eqn(target, args, outs):
+    """An equation of `target` over Vars (shapes as given) and constants, as the trace lifts one."""
+    from autosp.ir.core import Eqn, Var
+    from autosp.ir.ops import op_for
+    n = iter(range(100))
+    var = lambda t: Var(f"v{next(n)}", t[1], t[0]) if isinstance(t, tuple) and len(t) == 2 and isinstance(t[1], torch.dtype) else t
+    return Eqn.make(op_for(target), [var(a) for a in args], {}, [var(o) for o in outs], multi=True)
+
+
+def test_gpu_and_host_traced_attention_cost_the_same_flops():
+    """A step traced on the GPU differentiates attention with cuDNN's ops, one traced on the host with the CPU's: the
+    cost model counts both causal, so that the plan made from either is the same."""
+    from autosp.remat.cost import flops
+    bf, f32 = torch.bfloat16, torch.float32
+    q, k, lse = ((2, 8, 512, 64), bf), ((2, 2, 512, 64), bf), ((2, 8, 512), f32)
+    cpu_bwd = _eqn(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                   [q, q, k, k, q, lse, 0.0, True], [q, k, k])
+    gpu_bwd = _eqn(aten._scaled_dot_product_cudnn_attention_backward.default,
+                   [q, q, k, k, q, lse, ((), torch.int64), ((), torch.int64), None, None, None, 512, 512, 0.0, True],
+                   [q, k, k])
+    assert flops(gpu_bwd) == flops(cpu_bwd) > 0
+    cpu_fwd = _eqn(aten._scaled_dot_product_flash_attention_for_cpu.default, [q, k, k, 0.0, True], [q, lse])
+    gpu_fwd = _eqn(aten._scaled_dot_product_flash_attention.default, [q, k, k, 0.0, True], [q, lse])
+    assert flops(gpu_fwd) == flops(cpu_fwd) > 0
+
+
+aten = torch.ops.aten

@@ -110,7 +110,7 @@ def _by_id(tiles: dict, chains) -> dict[str, int]:
 
 
 def _planned(local, memory_budget, dev, *, host_memory=None, refine: bool = True, tiles=None,
-             plan_only: bool = False):
+             plan_only: bool = False, attention=None):
     """(Plan, Program, Joint, StepBoundary, tiling) of the step under the budget (_plan_now), or of the plan
     kept on disk for the same step and arguments (store.py: the joint derived again, the plan applied to it and
     simulated again; with `plan_only`, none of it: Program, Joint and StepBoundary are None, and the peak is the
@@ -119,7 +119,8 @@ def _planned(local, memory_budget, dev, *, host_memory=None, refine: bool = True
 
     from autosp.remat import store
     from autosp.remat.solve import time_limits
-    name = store.key(local, memory_budget, dev, host_memory=host_memory, refine=refine, tiles=tiles)
+    name = store.key(local, memory_budget, dev, host_memory=host_memory, refine=refine, tiles=tiles,
+                     attention=attention)
     kept = store.load(name)
     if kept is not None and kept[0] == "refused":
         raise BudgetError(kept[1], least_peak_bytes=kept[2])
@@ -133,7 +134,7 @@ def _planned(local, memory_budget, dev, *, host_memory=None, refine: bool = True
     limited = time_limits()
     try:
         plan, program, joint, boundary, ks = _plan_now(local, memory_budget, dev, host_memory=host_memory,
-                                                       refine=refine, tiles=tiles)
+                                                       refine=refine, tiles=tiles, attention=attention)
     except BudgetError as exc:
         if time_limits() == limited:
             store.save(name, ("refused", str(exc), exc.least_peak_bytes))
@@ -148,11 +149,33 @@ def _applied(local, plan, saved, recomputed, offloaded, ks):
     """_planned's result for a plan made elsewhere (the planning rank's broadcast, or the plan cache)."""
     from autosp.passes.tile import tile
     from autosp.remat.apply import apply_plan
-    boundary, joint = joint_of(tile(local, ks) if ks else local)
+    boundary, joint = _joint(tile(local, ks) if ks else local, plan.attention_backward)
     return plan, apply_plan(joint, saved, recomputed, offloaded), joint, boundary, ks
 
 
-def _plan_now(local, memory_budget, dev, *, host_memory=None, refine: bool = True, tiles=None):
+def _joint(local, attention: str = "sdpa"):
+    """(StepBoundary, Joint) of `local` with its attention backwards run by `attention`'s kernels: 'sdpa' (the
+    backend's, as traced) or 'autosp' (passes/attention_backward.py)."""
+    boundary, joint = joint_of(local)
+    if attention == "autosp":
+        from autosp.passes.attention_backward import with_autosp_backward
+        joint = with_autosp_backward(joint)
+    return boundary, joint
+
+
+def attention_kernels(local, dev, attention=None) -> tuple[str, ...]:
+    """The attention backward kernels the planner weighs for a step on `dev`: SDPA's backend alone on the CPU
+    (its scratch is per thread) or where no attention backward could run otherwise; on a GPU also autosp's, whose
+    scratch is two fp32 rows per query row against the backend's fp32 dQ and GQA copies. `attention` forces one."""
+    if attention is not None:
+        return (attention,)
+    if dev.kind == "cpu":
+        return ("sdpa",)
+    from autosp.passes.attention_backward import count
+    return ("sdpa", "autosp") if count(joint_of(local)[1]) else ("sdpa",)
+
+
+def _plan_now(local, memory_budget, dev, *, host_memory=None, refine: bool = True, tiles=None, attention=None):
     """(Plan, Program, Joint, StepBoundary, tiling) of the step under the budget: untiled first, then
     the tilings of tiling_levels (passes/tile.py) until a plan fits (`tiles`: that tiling alone, by
     chain name). "least": the lower of the untiled step's and the most tiled one's least peaks; a
@@ -168,33 +191,47 @@ def _plan_now(local, memory_budget, dev, *, host_memory=None, refine: bool = Tru
         levels = tiling_levels(chains)
     kind, amount = parse_budget(memory_budget) if memory_budget is not None else (None, None)
     by_id = {c.id: c for c in chains}
+    from dataclasses import replace
 
-    def at(ks, budget, search=True):
-        boundary, joint = joint_of(_tiled(local, ks, chains) if ks else local)
+    kernels = attention_kernels(local, dev, attention)
+
+    def at(ks, budget, search=True, kernel=kernels[0]):
+        boundary, joint = _joint(_tiled(local, ks, chains) if ks else local, kernel)
         plan, program = make_plan(joint, budget, dev, offload=offload, host_memory=host_memory, refine=refine,
                                   search=search)
+        plan = replace(plan, attention_backward=kernel)
         return _with_tiling(plan, ks, by_id), program, joint, boundary, ks
+
+    def first_fit(ks, budget, search=True):
+        """The plan at tiling `ks` with the first kernel that fits the budget (the backend's first: it is faster)."""
+        for kernel in kernels[:-1]:
+            try:
+                return at(ks, budget, search, kernel)
+            except BudgetError:
+                continue
+        return at(ks, budget, search, kernels[-1])
 
     if kind == "least":                          # the most tiles usually, but not where tiling costs more
         ends = [levels[0]] if levels[0] == levels[-1] else [levels[0], levels[-1]]
-        return min((at(ks, memory_budget) for ks in ends), key=lambda r: r[0].peak_bytes)
+        return min((at(ks, memory_budget, kernel=kernel) for ks in ends for kernel in kernels),
+                   key=lambda r: (r[0].peak_bytes, r[0].attention_backward != kernels[0]))
     budget = memory_budget
     if kind == "fraction" and len(levels) > 1:
-        whole = make_plan(joint_of(local)[1], None, dev, offload=offload, host_memory=host_memory)[0]
+        whole = make_plan(_joint(local, kernels[0])[1], None, dev, offload=offload, host_memory=host_memory)[0]
         budget = int(amount * whole.no_remat_peak_bytes)
     for ks in levels[:-1]:                       # the budget's solves alone: the first tiling that fits
         try:
-            return at(ks, budget, search=False)
+            return first_fit(ks, budget, search=False)
         except BudgetError:
             continue
     try:
-        return at(levels[-1], budget)
+        return first_fit(levels[-1], budget)
     except BudgetError as exc:
         if not levels[-1]:
             raise
         refused = exc
     try:                                         # the untiled step's least may be the lower one
-        return at(levels[0], budget)
+        return first_fit(levels[0], budget)
     except BudgetError as exc:
         least = min(refused.least_peak_bytes, exc.least_peak_bytes)
         what = ", ".join(f"{by_id[i].name} in {k} tiles" for i, k in levels[-1].items())
@@ -216,13 +253,15 @@ def _with_tiling(plan, ks: dict, by_id: dict):
 
 
 def plan_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=None, host_memory=None,
-              offload: bool | None = None, refine: bool = True, tiles=None, plan_only: bool = False):
+              offload: bool | None = None, refine: bool = True, tiles=None, plan_only: bool = False,
+              attention=None):
     """(Plan, Program, Joint, StepBoundary) for a sharded forward graph; runs nothing. The one planning
     entry of autosp.plan, autosp.explain and the command line. `offload`: None plans offload where the
     device has a host link (a GPU, or `host_bandwidth`), False never; `host_memory`: bytes per rank
     (or '64GiB') the offloaded values may take, None no limit; `refine`: make_plan's; `tiles`: a
     tiling to plan with (Chain.id -> k) instead of the search; `plan_only`: the Plan is all the caller
-    reads (a plan kept on disk is then not applied: the others may be None)."""
+    reads (a plan kept on disk is then not applied: the others may be None); `attention`: the attention
+    backward's kernel, 'sdpa' or 'autosp' (None: the planner weighs both on a GPU, attention_kernels)."""
     from dataclasses import replace
 
     from autosp.remat.cost import device_for
@@ -230,12 +269,12 @@ def plan_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=None,
     if offload is False:
         dev = replace(dev, host_bw=None)
     plan, program, joint, boundary, _ = _planned(local, memory_budget, dev, host_memory=host_memory, refine=refine,
-                                                 tiles=tiles, plan_only=plan_only)
+                                                 tiles=tiles, plan_only=plan_only, attention=attention)
     return plan, program, joint, boundary
 
 
 def compile_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=None, host_memory=None,
-                 group: str | None = None, tiles=None, compiled: bool = False):
+                 group: str | None = None, tiles=None, compiled: bool = False, attention=None):
     """(Plan, runner): the step that runs the plan. With a process group, its first rank plans and
     broadcasts the plan (recomputed collectives must match across ranks, and a shared host plans
     once); a refused budget is raised on every rank. `compiled`: the programs through inductor."""
@@ -248,13 +287,13 @@ def compile_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=No
     pg = _pg(group) if group is not None else None
     if pg is None or dist.get_world_size(pg) == 1:
         plan, program, joint, boundary, _ = _planned(local, memory_budget, dev, host_memory=host_memory,
-                                                     tiles=tiles)
+                                                     tiles=tiles, attention=attention)
         return plan, Runner(program, joint, boundary, compiled, dev.name)
     box = [None]
     if dist.get_rank(pg) == 0:
         try:
             plan, program, joint, boundary, ks = _planned(local, memory_budget, dev, host_memory=host_memory,
-                                                          tiles=tiles)
+                                                          tiles=tiles, attention=attention)
             recomputed = _recomputed(joint, program)
             box = [(plan, tuple(program.saved), recomputed, tuple(program.offloaded), ks)]
         except Exception as exc:  # noqa: BLE001 - every rank raises what the planning rank raised

@@ -21,24 +21,57 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True, slots=True)
 class Device:
-    name: str
+    name: str                 # what plans name it by: 'cpu', 'cuda' (the default GPU) or a GPU of GPUS ('h100')
     flops: float              # dense matmul FLOP/s at the working dtype
     mem_bw: float             # bytes/s
     link_bw: float            # bytes/s per rank for collectives
     host_bw: float | None     # bytes/s to pinned host memory; None: no offload
     launch: float = 5e-6      # seconds of overhead per op
     latency: float = 2e-5     # seconds per collective
+    attention: str = "cpu"    # the SDPA backend whose kernels (and scratch) run attention: cpu, cudnn, flash, efficient
+    memory: int | None = None # bytes a GPU of this name has for the step (the --memory it plans for by default)
+    title: str = ""           # what the banner says it is
+
+    @property
+    def kind(self) -> str:
+        """The torch device type its kernels run on: 'cpu' or 'cuda' (ROCm's GPUs are 'cuda' to torch too)."""
+        return "cpu" if self.attention == "cpu" else "cuda"
 
 
 # Rough figures: only ratios matter to the plan, and they are what a planner without a
 # profiler can know. `host_bandwidth=` / `device=` override them.
 DEVICES = {
     "cpu": Device("cpu", flops=1e11, mem_bw=1e10, link_bw=2e9, host_bw=None, launch=2e-6, latency=5e-5),
-    "cuda": Device("cuda", flops=7e14, mem_bw=4e12, link_bw=3e11, host_bw=5e10, launch=5e-6, latency=2e-5),
+    "cuda": Device("cuda", flops=7e14, mem_bw=4e12, link_bw=3e11, host_bw=5e10, launch=5e-6, latency=2e-5,
+                   attention="cudnn", title="an H100/H200-class GPU (SDPA's cuDNN backend, as measured on an H200)"),
 }
+
+# GPUs a plan can be made for (`--gpu`): the vendors' dense bf16 FLOP/s, memory bandwidth, per-GPU link bandwidth
+# (NVLink / Infinity Fabric, one direction) and host link (PCIe), the memory torch can allocate on one, and the
+# SDPA backend torch runs for causal bf16 attention at head dims up to 128 there (the H200's memory is what the one
+# lent on 2026-12-04 offered torch, "about 139 GiB"; the others' their data sheets'). Measured: the H200's (cuDNN,
+# torch 2.11; bench/RESULTS.md, "The whole step on an H200"). The others' backends are torch's priority order for
+# their architecture (sdp_utils: cuDNN first on sm90 and sm100, FLASH on sm80, ROCm's AOTriton FLASH on gfx942),
+# priced with that backend's scratch as measured on the H200: not measured on those GPUs.
+GiB = 2**30
+GPUS = {
+    "h100": Device("h100", flops=989e12, mem_bw=3.35e12, link_bw=450e9, host_bw=55e9, attention="cudnn",
+                   memory=80 * GiB, title="NVIDIA H100 SXM 80 GB"),
+    "h200": Device("h200", flops=989e12, mem_bw=4.8e12, link_bw=450e9, host_bw=55e9, attention="cudnn",
+                   memory=139 * GiB, title="NVIDIA H200 141 GB (139 GiB to torch)"),
+    "a100": Device("a100", flops=312e12, mem_bw=2.04e12, link_bw=300e9, host_bw=25e9, attention="flash",
+                   memory=80 * GiB, title="NVIDIA A100 SXM 80 GB"),
+    "b200": Device("b200", flops=2.25e15, mem_bw=8e12, link_bw=900e9, host_bw=55e9, attention="cudnn",
+                   memory=180 * GiB, title="NVIDIA B200 180 GB"),
+    "mi300x": Device("mi300x", flops=1307e12, mem_bw=5.3e12, link_bw=448e9, host_bw=55e9, attention="flash",
+                     memory=192 * GiB, title="AMD MI300X 192 GB"),
+}
+DEVICES.update(GPUS)
 
 
 def device_for(kind: str, host_bandwidth: float | None = None) -> Device:
+    """The cost and memory model of a device by name: 'cpu', 'cuda' (the default GPU) or a GPU of GPUS;
+    'hip' is the default GPU too."""
     base = DEVICES.get(kind, DEVICES["cuda"] if kind in ("cuda", "hip") else DEVICES["cpu"])
     if host_bandwidth is not None:
         from dataclasses import replace
@@ -73,9 +106,31 @@ def flops(e: Eqn) -> int:
     outs = [_meta(o) for o in e.outputs]
     out = tuple(outs) if e.multi else (outs[0] if outs else None)
     try:
-        return int(f(*args, out_val=out, **kwargs))
+        n = int(f(*args, out_val=out, **kwargs))
     except Exception:  # noqa: BLE001 - a formula that cannot read these arguments counts as memory-bound
         return 0
+    if target in _gpu_attention() and e.bind_schema().get("is_causal"):
+        # torch counts every (query, key) pair of a GPU backend's attention; causal kernels skip the upper half, as
+        # autosp's formula for the CPU's kernel says: a step traced on a GPU and one traced on the host for it then
+        # price attention alike (the same plan)
+        q = e.inputs[1] if "backward" in str(target) else e.inputs[0]
+        k = e.inputs[2] if "backward" in str(target) else e.inputs[1]
+        sq = q.shape[-2]
+        if sq == k.shape[-2]:
+            n = n * (sq + 1) // (2 * sq)
+    return n
+
+
+_GPU_ATTENTION: list = []
+
+
+def _gpu_attention() -> frozenset:
+    """SDPA's GPU overloads, forward and backward (those this torch has)."""
+    if not _GPU_ATTENTION:
+        names = [f"_scaled_dot_product_{k}_attention{b}" for k in ("flash", "cudnn", "efficient")
+                 for b in ("", "_backward")]
+        _GPU_ATTENTION.append(frozenset(getattr(aten, n).default for n in names if hasattr(aten, n)))
+    return _GPU_ATTENTION[0]
 
 
 def _bytes(vs) -> int:
@@ -135,7 +190,16 @@ def eqn_terms(e: Eqn, device: Device) -> tuple[float, float, float, float]:
     from autosp.ir.aliases import aliases
     if all(a is not None for a in aliases(e)) and e.outputs:
         return 0.0, 0.0, 0.0, 0.0             # a view: free
-    return device.launch, float(flops(e)), float(_bytes(e.inputs) + _bytes(e.outputs)), 0.0
+    f = float(flops(e))
+    if e.op.name == "sdpa_backward" and device.attention in AUTOSP_BACKWARD_PACE:
+        f *= AUTOSP_BACKWARD_PACE[device.attention]
+    return device.launch, f, float(_bytes(e.inputs) + _bytes(e.outputs)), 0.0
+
+
+# autosp's Triton attention backward (autosp::sdpa_backward) against the backend a GPU runs otherwise, time for
+# time: on an H200, bf16, d 128, s 16K, GQA 4:1, 14.9 ms against cuDNN's 10.5 and FLASH's 17.9 (bench/RESULTS.md,
+# "Kernels"); its FLOPs are counted this much more (or less) so the planner weighs memory against time
+AUTOSP_BACKWARD_PACE = {"cudnn": 14.9 / 10.5, "flash": 14.9 / 17.9}
 
 
 def _seconds(fixed, f, mem, link, device: Device, maximum=max):
@@ -184,3 +248,9 @@ def _register_formulas() -> None:
         @register_flop_formula(bwd)
         def _cpu_bwd(gout, q, k, v, out, lse, dropout_p=0.0, is_causal=False, *args, out_shape=None, **kw) -> int:
             return attn(q, k, is_causal) * 5 // 2      # 5 matmuls (QK^T recomputed) against the forward's 2
+    import autosp.kernels.sdpa_backward  # noqa: F401 - registers autosp::sdpa_backward
+    ours = torch.ops.autosp.sdpa_backward
+    if ours not in flop_registry:
+        @register_flop_formula(ours)
+        def _autosp_bwd(gout, q, k, v, out, lse, is_causal=False, *args, out_shape=None, **kw) -> int:
+            return attn(q, k, is_causal) * 5 // 2

@@ -150,8 +150,10 @@ def _cpu_flash_backward(e: Eqn) -> int:
     # per thread: the block's probabilities and their gradient in the accumulation type (and, in half
     # precision, again in the input's); shared: a query-sized buffer in the input's type and a row of the
     # accumulation type (fp32 and fp64 measured exactly). Half precision's GEMMs (oneDNN) also take a scratch
-    # per call: counted by an envelope of its measured sizes (x86, bf16: heads of 16 to 128, the three block
-    # shapes; at most 100 KiB over, 32 KiB at head dim 32 with 256 x 512 blocks)
+    # per call and thread: an envelope of what bench/cpu_attention_scratch.py measured (x86 with AMX; heads of 16
+    # to 256, lengths 32 to 2048, 1 to 4 threads): the larger of a packed K/V block (key block by head dim, each
+    # rounded up to 32) and 640 B per query row, plus 17,540 B. Never under there; over by at most 32 KiB at one
+    # thread (heads up to 128), up to 80-102 KiB a thread at 2 to 4, where oneDNN shares packed blocks
     q, k = e.inputs[1], e.inputs[2]
     qs, ks = _cpu_flash_split(q.shape[-2], k.shape[-2])
     acc = 8 if q.dtype == torch.float64 else 4
@@ -159,7 +161,7 @@ def _cpu_flash_backward(e: Eqn) -> int:
     if q.dtype.itemsize >= 4:
         return acc * (threads * 2 * qs * ks + q.numel() + qs)
     item = q.dtype.itemsize
-    scratch = 4 * min(q.shape[-1], 64) * (qs + ks) + 512 * qs + 8192
+    scratch = max(2 * _up(ks, 32) * _up(q.shape[-1], 32), 640 * qs) + 17540
     return item * q.numel() + threads * (2 * qs * ks * (acc + item) + scratch) + acc * qs
 
 
@@ -238,11 +240,119 @@ WORKSPACE_CUDA_BY_TARGET = {getattr(aten, name).default: f for name, f in (
     ("_scaled_dot_product_efficient_attention_backward", cuda_efficient_backward),
     ("embedding_dense_backward", cuda_embedding_backward)) if hasattr(aten, name)}
 
+CUDA_ATTENTION_BACKWARD = {"cudnn": cuda_cudnn_backward, "flash": cuda_flash_backward,
+                           "efficient": cuda_efficient_backward}
+
+
+def sdpa_backend(gpu: str, q, masked: bool = False) -> str:
+    """The SDPA backend a GPU runs for attention on `q` (anything with .shape and .dtype): its preferred one
+    (cost.Device.attention: cuDNN on Hopper and Blackwell, FLASH on Ampere and MI300X) where that takes these
+    inputs, else the next torch tries. FLASH and cuDNN take half precision only, cuDNN head dims up to 128, FLASH
+    up to 256; a mask tensor goes to EFFICIENT."""
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    if masked or not half or q.shape[-1] > 256:
+        return "efficient"
+    if gpu == "cudnn" and q.shape[-1] <= 128:
+        return "cudnn"
+    return "flash"
+
+
+def _host_traced_backward(gpu: str):
+    """The scratch of the GPU backward that runs an attention backward traced on the host (a meta or CPU trace:
+    ATen's CPU flash backward, whose arguments are the GPU backwards' grad_out, query, key, value, out, lse)."""
+    def scratch(e: Eqn) -> int:
+        masked = len(e.inputs) > 6                     # attn_mask, the one optional tensor after lse
+        kind = sdpa_backend(gpu, e.inputs[1], masked)
+        extra = _gqa_expanded(e.inputs[1], e.inputs[2]) if kind == "efficient" else 0   # K/V repeated to q's heads
+        return CUDA_ATTENTION_BACKWARD[kind](e.inputs, e.outputs) + extra
+    return scratch
+
+
+_GPU_TABLES: dict[str, dict] = {}
+
+
+def _gpu_table(device: str) -> dict:
+    """aten overload -> scratch(e) on the GPU `device` names (cost.device_for): the GPU overloads as measured, and
+    the host-traced attention backward priced as the kernel that GPU runs."""
+    table = _GPU_TABLES.get(device)
+    if table is None:
+        from autosp.remat.cost import device_for
+        table = {t: (lambda f: lambda e: f(e.inputs, e.outputs))(f) for t, f in WORKSPACE_CUDA_BY_TARGET.items()}
+        if _CPU_FLASH_BWD is not None:
+            table[_CPU_FLASH_BWD.default] = _host_traced_backward(device_for(device).attention)
+        _GPU_TABLES[device] = table
+    return table
+
+
+_GPU_BACKWARDS = {getattr(aten, f"_scaled_dot_product_{kind}_attention_backward").default: kind
+                  for kind in CUDA_ATTENTION_BACKWARD
+                  if hasattr(aten, f"_scaled_dot_product_{kind}_attention_backward")}
+
+
+def attention_backward_kernel(e: Eqn, device: str) -> str | None:
+    """The kernel that runs attention backward `e` on `device` ('cpu', 'cuda', a GPU name) as the memory model prices
+    it: 'cpu_flash', 'cudnn', 'flash', 'efficient' or 'autosp' (autosp::sdpa_backward); None for an equation that
+    is no attention backward."""
+    from autosp.remat.cost import device_for
+    if e.op.name == "sdpa_backward":
+        return "autosp"
+    if e.op.target in _GPU_BACKWARDS:
+        return _GPU_BACKWARDS[e.op.target]
+    if _CPU_FLASH_BWD is None or e.op.target is not _CPU_FLASH_BWD.default:
+        return None
+    dev = device_for(device)
+    return "cpu_flash" if dev.kind == "cpu" else sdpa_backend(dev.attention, e.inputs[1], len(e.inputs) > 6)
+
+
+def _autosp_sdpa_backward(e: Eqn, device: str) -> int:
+    """autosp::sdpa_backward (passes/attention_backward.py): on a GPU autosp's Triton kernel (two fp32 rows per query
+    row); on the CPU ATen's flash backward over K/V repeated to the query heads (their copies, the kernel's scratch
+    at those shapes, dK/dV at every query head before their sum), and the copies into the inputs' layouts."""
+    from autosp.kernels.sdpa_backward import scratch_bytes
+    from autosp.remat.cost import device_for
+    q, k = e.inputs[1], e.inputs[2]
+    if device_for(device).kind != "cpu":
+        return scratch_bytes(q, k, "cuda")
+    group = q.shape[1] // k.shape[1]
+    expanded = 0 if group == 1 else 2 * group * nbytes(k)
+    wide = _Shaped(q.shape[:1] + (q.shape[1],) + k.shape[2:], k.dtype)
+    kernel = _cpu_flash_backward(_Inputs((q, q, wide)))
+    return 2 * expanded + kernel + nbytes(q) + 2 * nbytes(k)
+
+
+@dataclass(frozen=True)
+class _Shaped:
+    shape: tuple
+    dtype: torch.dtype
+
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    inputs: tuple
+
+
+_BY_DEVICE = {"sdpa_backward": _autosp_sdpa_backward}
+
 
 def workspace(e: Eqn, device: str = "cpu") -> int:
-    if device == "cuda" and e.op.target in WORKSPACE_CUDA_BY_TARGET:
-        return WORKSPACE_CUDA_BY_TARGET[e.op.target](e.inputs, e.outputs)
-    f = WORKSPACE.get(e.op.name) or (WORKSPACE_BY_TARGET.get(e.op.target) if device == "cpu" else None)
+    """Transient bytes while `e` runs on `device` ('cpu', 'cuda' or a GPU of cost.GPUS), beyond its outputs: the
+    kernel that device runs for it, whichever device traced it."""
+    f = WORKSPACE.get(e.op.name)
+    if f is not None:
+        return f(e)
+    f = _BY_DEVICE.get(e.op.name)
+    if f is not None:
+        return f(e, device)
+    if device == "cpu":
+        f = WORKSPACE_BY_TARGET.get(e.op.target)
+    else:
+        f = _gpu_table(device).get(e.op.target)
     return f(e) if f is not None else 0
 
 

@@ -78,6 +78,8 @@ class Plan:
     tiling: tuple[tuple[str, int, int, int], ...] = ()   # (chain, k tiles, widest value whole, per tile)
     method: str = "ILP"                  # how it was found: the ILP, or per-layer checkpointing (cuts.py)
     stored: str | None = None            # the plan cache's file it was read from (store.py); None: planned here
+    attention_backward: str = "sdpa"     # the attention backward's kernel: SDPA's backend, or autosp's
+                                         # (passes/attention_backward.py)
 
     @property
     def saved_bytes(self) -> int:
@@ -105,6 +107,9 @@ class Plan:
             host = f"{cap}, host transfers {self.offload_seconds * 1e3:.3g} ms modelled"
         if self.method != "ILP":
             lines.append(f"found by {self.method}")
+        if self.attention_backward != "sdpa":
+            lines.append("attention backward: autosp's kernel (autosp::sdpa_backward: no fp32 dQ, dK/dV summed per "
+                         "KV head inside it), in place of SDPA's backend's, whose scratch did not fit or was higher")
         if self.stored:
             lines.append(f"read from the plan cache: {self.stored}")
         lines.append(f"totals: saved {_fmt(self.saved_bytes)}, offloaded {_fmt(self.offload_bytes)}{host}, "

@@ -55,7 +55,7 @@ def folder() -> pathlib.Path | None:
     return pathlib.Path(base) / "autosp" / "plans"
 
 
-def key(local, memory_budget, dev, *, host_memory=None, refine: bool = True, tiles=None) -> str:
+def key(local, memory_budget, dev, *, host_memory=None, refine: bool = True, tiles=None, attention=None) -> str:
     """The entry's name: a digest of what the plan of `local` under these arguments is a function of."""
     import scipy
     import torch
@@ -66,7 +66,7 @@ def key(local, memory_budget, dev, *, host_memory=None, refine: bool = True, til
     for part in (f"v{VERSION}", digest(), torch.__version__, scipy.__version__, f"{sys.version_info[:2]}",
                  f"threads {torch.get_num_threads()}", f"overlap {enabled()}",
                  repr(memory_budget), repr(dev), repr(host_memory), repr(refine),
-                 repr(None if tiles is None else sorted(tiles.items())), str(local)):
+                 repr(None if tiles is None else sorted(tiles.items())), repr(attention), str(local)):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()

@@ -126,6 +126,15 @@ class Report:
         return self.text
 
 
+def _cost_model(name: str) -> str:
+    """The banner's words for the device a plan is priced for."""
+    from autosp.remat.cost import device_for
+    d = device_for(name)
+    return name if d.kind == "cpu" else (f"{name}: {d.title}" + (f", attention by SDPA's {d.attention} backend"
+                                                                  if "SDPA" not in d.title else "")
+                                         + ("; --gpu names another" if name == "cuda" else ""))
+
+
 def _tracer(step: Step, spec) -> Tracer:
     return Tracer(spec, planning_mesh(step.sp, step.dp), step.dtype, step.rank_batch, step.sp,
                   shard_params=step.sharded, ring=step.ring, reduce_dtype=step.grad_dtype, packing=step.packing)
@@ -163,7 +172,7 @@ def longest(step: Step, *, parallel: bool = True, granularity: int | None = None
         raise AutospError("autosp plan: no --memory and no --seq-len: nothing to answer. Fix: --memory 80GiB (the "
                           "longest length that fits it), or --seq-len 32768 (the memory that length needs).")
     mem = step.memory_bytes
-    host, sp, dp, batch, device, offload = (step.host_node_bytes, step.sp, step.dp, step.rank_batch, step.device,
+    host, sp, dp, batch, device, offload = (step.host_node_bytes, step.sp, step.dp, step.rank_batch, step.target,
                                             step.offload)
     dtype, optimizer, world, sharded = PRECISIONS[step.precision], step.optimizer, step.world, step.sharded
     host_memory, model = step.host_memory, step.model
@@ -179,7 +188,7 @@ def longest(step: Step, *, parallel: bool = True, granularity: int | None = None
         st = model_state(step, tracer.param_bytes)
         host_rank = step.activation_host_bytes(st.host) if offload else None     # what the activations may take
         out = [f"autosp plan: {describe(spec)}\n  {n / 1e9:.3f}B parameters in {dtype}; mesh dp {dp} x sp {sp}"
-               + (f" (ring {step.ring})" if step.ring else "") + f"; {fmt(mem)} per rank; cost model {device}; "
+               + (f" (ring {step.ring})" if step.ring else "") + f"; {fmt(mem)} per rank; cost model {_cost_model(device)}; "
                f"{batch} sequence(s) per dp rank", _state_line(st, tracer, optimizer, dtype, dp, sp)]
         host_line = _host_line(host, host_memory is not None, world, offload, None, state=st.host)
         refused = _state_fails(step, st, share)
@@ -252,6 +261,21 @@ def longest(step: Step, *, parallel: bool = True, granularity: int | None = None
                             + "; " + _held_back(aff, length, granule, avail, host_bytes, host_rank, ha, hb, l1, l2)))
             host_line = _host_line(host, host_memory is not None, world, offload, host_bytes,
                                    q.offload_seconds * host_bytes / hb if hb else None, st.host)
+    # one answer: the ILP row shows the length the printed `autosp train` command trains, and that plan's memory
+    note = "not checked against train's plan"
+    if rows[2].length and check:
+        length, note = _checked(step.with_length(rows[2].length), granule, parallel)
+        if length != rows[2].length:
+            fit = at_length(step.with_length(length), with_longest=False, parallel=parallel)
+            if fit.plan is not None:
+                rows[2] = Row(rows[2].name, length, fit.plan.peak_bytes + fit.tokens, fit.comm,
+                              f"the plan autosp train makes at {length:,} (the least-peak plan found at {l2:,}, "
+                              f"replayed at {l1:,}, fits up to {rows[2].length:,})", fit.seconds, fit.saved,
+                              fit.plan.offload_bytes)
+                host_line = _host_line(host, host_memory is not None, world, offload, fit.plan.offload_bytes,
+                                       fit.plan.offload_seconds, st.host)
+            else:                                          # train's verdict fits, its plan did not: say the row's
+                length, note = rows[2].length, note + f"; train's plan at {length:,} was refused ({fit.why})"
     # replicated: the gradients are all-reduced after the step, by ring; sharded: reduce-scattered in it
     dp_comm = 0 if sharded else ring_allreduce_bytes(st.grads, dp)
     sp_grad = 0 if sharded else ring_allreduce_bytes(st.grads, sp)
@@ -311,59 +335,83 @@ def longest(step: Step, *, parallel: bool = True, granularity: int | None = None
                    f" Planned in {time.perf_counter() - t_start:.0f} s.")
     best = step.with_length(rows[2].length) if rows[2].length else None
     if best is not None:
-        length, note = _checked(best, granule, parallel) if check else (best.seq_len, "not checked against train's plan")
-        best = best.with_length(length)
         out.append(f"\n{note}\ntrain it (it plans the step again before its first one, within --memory):\n"
                    f"  {best.train_command()}")
     return Report("\n".join(out), best is not None, best)
 
 
 def _checked(step: Step, granule: int, parallel: bool = True) -> tuple[int, str]:
-    """The ILP row's length held to the plan `autosp train` makes (at_length): the longest multiple of `granule`
-    near it that train's plan fits, one granule more refused. The row's plan is the least-peak plan found at the
-    longer probe; train plans the cheapest within the budget at its own length, trying every tiling, which may
-    reach a little further (or, rarely, not as far); the length it fits is taken to grow with the length, as
-    a step's bytes do. (length, the line that says so)"""
+    """The ILP row's length held to the plan `autosp train` makes (at_length's verdict): the longest multiple of
+    `granule` near it that train's plan fits, one granule more refused. The row's plan is the least-peak plan found
+    at the longer probe; train plans the least at its own length, trying every tiling, which may reach a little
+    further (or, rarely, not as far). Each verdict is a plan (a trace and the least-peak search at that length), so
+    they are asked two at a time (L and L + granule, side by side) and the next pair is aimed, not walked to: each
+    verdict says by how many bytes its least peak is over or under the budget, and that excess grows with the
+    length as a step's bytes do, so the pair goes where the line through the nearest verdicts crosses zero (within
+    the lengths known to fit and not to fit; by halving where the line does not help). (length, the line that
+    says so)"""
     from autosp.run.plan import _both
-
-    def fits(length: int) -> bool:
-        return at_length(step.with_length(length), with_longest=False, quick=True).fits
-
     first = step.seq_len
-    at, up = _both(lambda: fits(first), lambda: fits(first + granule), parallel)
-    # lo fits, hi does not (both multiples of the granule): found by strides that double away from the row's length
-    # (one plan a try: a walk of one granule at a time took minutes where train's plan reaches further), then halved
-    if at and not up:
-        lo, hi = first, first + granule
-    elif up:
-        lo, hi, stride = first + granule, None, granule
-        while hi is None:
-            stride *= 2
-            if fits(lo + stride):
-                lo += stride
-            else:
-                hi = lo + stride
-    else:
-        lo, hi, stride = None, first, granule
-        while lo is None and hi > granule:
-            try_ = max(granule, hi - stride)
-            if fits(try_):
-                lo = try_
-            else:
-                hi, stride = try_, stride * 2
-        if lo is None:
+    excess: dict[int, float] = {}                   # length -> least peak - budget (fits: <= 0)
+
+    def verdict(length: int) -> float:
+        fit = at_length(step.with_length(length), with_longest=False, quick=True)
+        if getattr(fit, "verdict", None) is None or fit.least is None:   # no verdict by --memory: fits or not
+            return -1.0 if fit.fits else 1.0
+        return float(fit.least - fit.budget)
+
+    def ask(*lengths: int) -> None:
+        new = [x for x in lengths if x >= granule and x not in excess]
+        if len(new) == 2:
+            excess[new[0]], excess[new[1]] = _both(lambda: verdict(new[0]), lambda: verdict(new[1]), parallel)
+        elif new:
+            excess[new[0]] = verdict(new[0])
+
+    def bracket() -> tuple[int | None, int | None]:
+        lo = max((x for x, e in excess.items() if e <= 0), default=None)
+        hi = min((x for x, e in excess.items() if e > 0 and (lo is None or x > lo)), default=None)
+        return lo, hi
+
+    def aim(lo: int | None, hi: int | None) -> tuple[int, bool]:
+        """The next length to ask, and whether it was aimed (then it is asked with the length a granule on): where
+        the line through two verdicts meets zero (the lengths that bracket the answer, else the two farthest apart:
+        the longest baseline averages out the least-peak search's own steps); else by halving or doubling."""
+        xs = sorted(excess)
+        x1, x2 = (lo, hi) if lo is not None and hi is not None else (xs[0], xs[-1])
+        e1, e2 = excess[x1], excess[x2]
+        guess = x1 - e1 * (x2 - x1) / (e2 - e1) if e2 > e1 and abs(e1) != 1.0 else None
+        if lo is not None and hi is not None:
+            mid = lo + (hi - lo) // granule // 2 * granule
+            if guess is None or (stalled and hi - lo > 4 * granule):
+                return mid, False
+            x = int(guess) // granule * granule
+            return min(max(x, lo + granule), hi - granule), lo + granule < x < hi - granule
+        if guess is not None:                            # a pair where the line says; one length where it is clamped
+            x = int(guess) // granule * granule
+            if hi is None:                               # everything asked fits: beyond the longest
+                return max(x, xs[-1] + granule), x > xs[-1] + granule
+            return max(granule, min(x, xs[0] - granule)), granule < x < xs[0] - granule
+        spread = max(xs[-1] - xs[0], granule)            # doubling the distance from the first length asked
+        return (xs[-1] + spread if hi is None else max(granule, xs[0] - spread)), False
+
+    ask(first, first + granule)
+    stalled, width = False, None
+    while True:
+        lo, hi = bracket()
+        if lo is not None and hi is not None and hi - lo <= granule:
+            break
+        if lo is None and min(excess) <= granule:
             return first, f"checked: train's own plan fits no multiple of {granule} tokens up to {first:,}"
-    while hi - lo > granule:
-        mid = lo + (hi - lo) // granule // 2 * granule
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
+        if lo is not None and hi is not None:            # a bracket that did not halve: halve it next
+            stalled = width is not None and (hi - lo) > width // 2
+            width = hi - lo
+        x, aimed = aim(lo, hi)
+        ask(x, x + granule) if aimed else ask(x)
     length = lo
     how = ("the ILP row's length" if length == first else
            f"{(length - first) // granule:+d} granule(s) from the ILP row's {first:,}")
     return length, (f"checked against the plan autosp train makes (autosp plan --seq-len): {length:,} tokens fit "
-                    f"({how}), {length + granule:,} do not")
+                    f"({how}), {length + granule:,} do not ({len(excess)} verdicts)")
 
 
 # ---------------------------------------------------------------- one length: what `autosp train` runs
@@ -418,7 +466,7 @@ class Fit:
         mem = s.memory_bytes
         lines = [f"autosp plan: {s.model} at {L:,} tokens, dp {s.dp} x sp {s.sp}"
                  + (f" (ring {s.ring})" if s.ring else "") + f", {s.global_batch} sequence(s) per step, "
-                 f"{s.precision}, cost model {s.device}" + (f"; {fmt(mem)} per rank" if mem is not None else "")]
+                 f"{s.precision}, cost model {_cost_model(s.target)}" + (f"; {fmt(mem)} per rank" if mem is not None else "")]
         if self.fits:
             p = self.plan
             lines.append(f"-> {L:,} tokens {'fit in ' + fmt(mem) + ' per rank' if mem is not None else 'need'}: "
@@ -510,7 +558,7 @@ def at_length(step: Step, *, with_longest: bool = True, parallel: bool = True, q
         fit.budget = step.step_budget(fit.resident)
         fit.host_cap = step.activation_host_bytes(st.host)
         local = tracer.trace(step.seq_len, single=False).local
-        args = dict(device=step.device, host_bandwidth=step.host_bandwidth, host_memory=fit.host_cap)
+        args = dict(device=step.target, host_bandwidth=step.host_bandwidth, host_memory=fit.host_cap)
         tiles = None if step.tile else {}
         if step.memory_budget is None and step.memory is not None:         # the budget is what --memory leaves
             least = plan_step(local, "least", refine=False, tiles=tiles, plan_only=True, **args)[0]
@@ -540,8 +588,8 @@ def _plan_it(fit: Fit, local, tiles, args) -> None:
     except BudgetError as exc:
         fit.least, fit.why, fit.verdict = exc.least_peak_bytes, str(exc), False
         return
-    values, saved, _ = _profile(program, step.device)
+    values, saved, _ = _profile(program, step.target)
     fit.saved = int(saved[int(np.argmax(values))])
-    dev = device_for(step.device, step.host_bandwidth)
+    dev = device_for(step.target, step.host_bandwidth)
     fit.seconds = sum(eqn_cost(e, dev).seconds for g in (program.forward, program.backward) for e in g.eqns)
     fit.comm = comm_bytes(program)

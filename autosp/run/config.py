@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from autosp.errors import AutospError
 
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}
+GPU_NAMES = ("a100", "b200", "h100", "h200", "mi300x")     # autosp.remat.cost.GPUS (not imported here: torch)
 HOST_MEMORY = 2**40           # host memory per node when --host-memory is not given
 RANKS_PER_NODE = 8            # ranks that share a node's host memory (an 8-GPU node; fewer if the run is smaller)
 CPU_HOST_BANDWIDTH = 5e9      # bytes/s the cost model gives a CPU's copies into the host pool (--offload on CPU)
@@ -65,6 +66,10 @@ def add_step_flags(p: argparse.ArgumentParser, verb: str) -> None:
     g.add_argument("--reduce-dtype", choices=sorted(PRECISIONS), default="fp32",
                    help="dtype the gradients are reduced in (default fp32)")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if a GPU is visible")
+    g.add_argument("--gpu", choices=sorted(GPU_NAMES), default=None,
+                   help="the GPU the step is planned for (implies --device cuda): its memory (the default --memory of "
+                        "plan), compute, memory and link bandwidths, and the attention kernels SDPA runs on it, whose "
+                        "scratch the plan counts. Default: an H100/H200-class GPU running SDPA's cuDNN backend")
     g.add_argument("--memory", default=None, help="device memory per rank, e.g. 80GiB: plan answers the longest "
                    "length that fits it; train plans its step within it and refuses (exit 2) a length that does not fit")
     g.add_argument("--memory-budget", default=None, help="the step's remat budget: a fraction of its no-remat peak "
@@ -107,6 +112,7 @@ class Step:
     precision: str = "fp32"
     reduce_dtype: str = "fp32"
     device: str = "cpu"
+    gpu: str | None = None              # the GPU planned for (cost.GPUS); None: the default GPU model of 'cuda'
     memory: str | None = None
     memory_budget: object = None        # a fraction, bytes, 'least' or None
     offload: bool = False
@@ -121,6 +127,11 @@ class Step:
     grad_accum: int = 1                 # micro-steps per optimizer step
 
     # ------------------------------------------------------------ derived
+    @property
+    def target(self) -> str:
+        """The device the plan prices each op for (cost.device_for): a GPU's name, 'cuda' or 'cpu'."""
+        return self.gpu or self.device
+
     @property
     def world(self) -> int:
         return self.sp * self.dp
@@ -222,6 +233,8 @@ class Step:
         if self.reduce_dtype != "fp32":
             out += ["--reduce-dtype", self.reduce_dtype]
         out += ["--device", self.device]
+        if self.gpu is not None:
+            out += ["--gpu", self.gpu]
         if self.memory is not None:
             out += ["--memory", self.memory]
         if self.memory_budget is not None:
@@ -311,6 +324,16 @@ def step_of(a, verb: str) -> Step:
                           "step's arithmetic" + (", --token-dtype uint16|uint32 for a .bin token file"
                                                  if verb == "train" else "") + ".")
     device = a.device
+    gpu = getattr(a, "gpu", None)
+    if gpu is not None and device == "cpu":
+        raise AutospError(f"--gpu {gpu} --device cpu: a GPU's plan runs on the GPU. Fix: --device cuda, or leave "
+                          "--gpu out.")
+    memory = a.memory
+    if gpu is not None:
+        device = "cuda"
+        if memory is None and verb in ("plan", "explain"):
+            from autosp.remat.cost import GPUS
+            memory = f"{GPUS[gpu].memory / 2**30:g}GiB"
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device == "cuda" and verb == "train" and not torch.cuda.is_available():
@@ -325,7 +348,7 @@ def step_of(a, verb: str) -> Step:
             sp = 2
     precision = a.precision or ("bf16" if device == "cuda" else "fp32")
     step = Step(model=a.model, sp=sp, dp=a.dp, ring=a.ring, seq_len=a.seq_len, batch=a.batch, precision=precision,
-                reduce_dtype=a.reduce_dtype, device=device, memory=a.memory,
+                reduce_dtype=a.reduce_dtype, device=device, gpu=gpu, memory=memory,
                 memory_budget=parse_budget_flag(a.memory_budget), offload=a.offload, host_memory=a.host_memory,
                 optimizer=a.optimizer, optimizer_offload=a.optimizer_offload, tile=a.tile,
                 shard_params=a.shard_params, packing=a.packing or "concat", rope_theta=a.rope_theta,

@@ -90,7 +90,7 @@ def explain_model(step, *, full: bool = False, png: str | None = None) -> str:
     import autosp
     from autosp.run.answer import _tracer, model_state
     spec = spec_of(step)
-    seq_len, sp, batch, device = step.seq_len, step.sp, step.rank_batch, step.device
+    seq_len, sp, batch, device = step.seq_len, step.sp, step.rank_batch, step.target
     dtype = step.dtype
     with fake_world(step.world):
         tracer = _tracer(step, spec)
@@ -100,7 +100,7 @@ def explain_model(step, *, full: bool = False, png: str | None = None) -> str:
         if full:
             ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
             text = autosp.explain(tracer.loss_fn, tracer.mesh, tracer.params, ids, ids, memory_budget=budget,
-                                  ring=step.ring, host_bandwidth=step.host_bandwidth,
+                                  ring=step.ring, host_bandwidth=step.host_bandwidth, device=device,
                                   host_memory=step.activation_host_bytes(st.host))
         p = tracer.trace(seq_len)
         none_plan, none_prog = _step(p.local, None, device)
