@@ -6,7 +6,8 @@ process of its own, as a user runs it; the others call the same `cli.main` in th
 which spares each launch a fresh interpreter's imports (5-7 s of its 15-20 s on 2 cores): their ranks are
 torch.distributed.run's processes all the same. The interrupted save and its bit-exact resume make the
 default run (model state sharded) the other runs are held to; `--no-shard-params`, `--optimizer-offload`,
-`--grad-accum` and 4 ranks take seven more short launches, the command `autosp plan` answers one more, and
+`--grad-accum` and 4 ranks take seven more short launches, the command `autosp plan` answers one more, the same
+one granule longer at `--memory-budget least` one, `--compile` one (inductor's cold compile: about a minute), and
 two (the tiny preset at 48 tokens) hold bf16 at `--sp 2` to `--sp 1`. Resharded checkpoints are read back
 whole on rank pools (tests/dist.py).
 """
@@ -294,18 +295,41 @@ def test_the_same_seed_gives_the_same_losses(runs, sharded_run):
 
 
 
-def test_train_runs_what_plan_promises_within_its_memory(model, tmp_path, capsys):
-    """`autosp plan --memory M` answers the longest length L and the command that trains it; that command runs
-    3 steps whose measured peak per rank (the profiler's allocation events, model state included) is at most M
-    and within 1 % of the plan's prediction (measured: 0.01 %); one granule longer, train refuses before
-    anything runs (exit 2), naming L. (plan and the refusal run in this process: neither starts a rank.)"""
+MEMORY = 4 * 2**20                  # --memory 4MiB: what `planned` asks `autosp plan` for
+
+
+@pytest.fixture(scope="module")
+def planned(model):
+    """`autosp plan --model MODEL --sp 2 --memory 4MiB`: (its stdout, the train command it answers as argv, its L)."""
     import shlex
-    assert main(["plan", "--model", model, "--sp", "2", "--memory", "4MiB"]) == 0
-    stdout = capsys.readouterr().out
+    rc, stdout, stderr, _ = launched(["plan", "--model", model, "--sp", "2", "--memory", "4MiB"])
+    assert rc == 0, stderr
     command = stdout.strip().splitlines()[-1].strip()
     assert command.startswith("autosp train "), stdout
     argv = shlex.split(command)[1:]
-    length = int(argv[argv.index("--seq-len") + 1])
+    return stdout, argv, int(argv[argv.index("--seq-len") + 1])
+
+
+def peaks(out) -> list[tuple[int, int, int, int]]:
+    """(step, rank, measured peak, that rank's predicted peak) of each step and rank metrics.jsonl measured."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(row["step"], r, m, p) for row in rows
+            for r, (m, p) in enumerate(zip(row["peak_mem_bytes"], row["predicted_peak_bytes"])) if m is not None]
+
+
+def within(found, rtol=5e-4) -> bool:
+    """Every rank's measured peak within `rtol` of its own prediction, at every step measured."""
+    return bool(found) and all(abs(m - p) <= rtol * p for _, _, m, p in found)
+
+
+def test_train_runs_what_plan_promises_within_its_memory(model, planned, tmp_path, capsys):
+    """`autosp plan --memory M` answers the longest length L and the command that trains it; that command runs
+    3 steps whose measured peak on each rank (the profiler's allocation events, model state included) is at most M
+    and within 0.05 % of that rank's own prediction (its plan's peak, its model state and token ids; a fresh run's
+    first step without the AdamW moments its update makes): measured +120 B (0.003 %) on both ranks, +72 B at the
+    first step. One granule longer, train refuses before anything runs (exit 2), naming L. (The refusal runs in this
+    process: it starts no rank.)"""
+    stdout, argv, length = planned
     assert length >= _rows(stdout)["SP=2, ILP plan (save/recompute)"] > _rows(stdout)["SP=2, no remat"]
     # the ILP row's length held to train's own verdict: this one fits, one granule (sp x 64) more does not
     assert f"{length:,} tokens fit" in stdout and f"{length + 128:,} do not" in stdout, stdout
@@ -314,14 +338,12 @@ def test_train_runs_what_plan_promises_within_its_memory(model, tmp_path, capsys
     assert rc == 0, stderr
     assert "predicted peak per rank:" in stdout and "USDT" not in stdout + stderr, stdout + stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    memory = 4 * 2**20
-    assert all(row["memory_bytes"] == memory and len(row["peak_mem_bytes"]) == 2 for row in rows), rows
-    # the run's peak: the largest over its steps and ranks (the first step's is lower: AdamW's moments are made by
-    # its first update, after that step's peak)
-    measured = max(m for row in rows for m in row["peak_mem_bytes"])
-    predicted = rows[0]["predicted_peak_bytes"][0]
-    assert measured <= memory and predicted <= memory, (measured, predicted)
-    assert abs(measured - predicted) <= 0.01 * predicted, (measured, predicted)
+    assert all(row["memory_bytes"] == MEMORY and len(row["peak_mem_bytes"]) == 2 for row in rows), rows
+    found = peaks(out)
+    print("step, rank, measured, predicted, measured - predicted:", [(*f, f[2] - f[3]) for f in found])   # -s shows it
+    assert sorted({(n, r) for n, r, _, _ in found}) == [(n, r) for n in (1, 2, 3) for r in (0, 1)], found
+    assert all(m <= MEMORY and p <= MEMORY for _, _, m, p in found), found
+    assert within(found), found
     assert "memory     measured peak" in stdout
     # one granule (sp x 64 tokens) longer: refused before any rank starts, nothing written
     longer = argv.copy()
@@ -332,6 +354,44 @@ def test_train_runs_what_plan_promises_within_its_memory(model, tmp_path, capsys
     assert f"{length + 128:,} tokens do not fit in 4.00 MiB per rank" in stderr, stderr
     assert f"Fix: --seq-len {length} (the longest length these flags fit" in stderr, stderr
     assert not refused.exists()
+
+
+def test_one_granule_longer_than_plans_answer_measures_above_its_memory(planned, tmp_path):
+    """`autosp plan --memory M`'s L is the longest length: one granule longer (L + sp x 64), trained at
+    --memory-budget least (the least peak each rank's planner reaches; with --memory it would be refused before any
+    rank starts), measures above M, 2 steps (the second holds the AdamW moments). The verdict that refuses L + 128 is
+    held to a measurement here, not to the planner that made it."""
+    _, argv, length = planned
+    longer = argv.copy()
+    longer[argv.index("--seq-len") + 1] = str(length + 128)
+    k = longer.index("--memory")
+    del longer[k:k + 2]
+    out = tmp_path / "longer"
+    rc, stdout, stderr, _ = launched(longer + ["--memory-budget", "least", "--steps", "2", "--out", str(out),
+                                               "--timeout", "60"])
+    assert rc == 0, stderr
+    found = peaks(out)
+    measured = max(m for _, _, m, _ in found)
+    print(f"L {length}: at {length + 128}, --memory-budget least measured {measured:,} B against --memory "
+          f"{MEMORY:,} B; per step and rank: {found}")
+    assert within(found), found
+    assert measured > MEMORY, (f"{length + 128} tokens measured {measured:,} B, within the {MEMORY:,} B autosp "
+                               f"plan refused them for: L = {length} is not the longest length", found)
+
+
+def test_a_compiled_train_run_holds_its_prediction(model, tmp_path):
+    """`autosp train --compile` (each rank's programs through inductor), 2 steps at 256 tokens: it runs, says how
+    inductor compiled, and every rank's measured peak is within 0.05 % of its own prediction at every step, as
+    eager (measured: +72 B, then +192 B, 0.01 %). Inductor's cold compile is most of its minute."""
+    out = tmp_path / "compiled"
+    rc, stdout, stderr, secs = launched(["train", "--model", model, "--sp", "2", "--seq-len", "256", "--batch", "1",
+                                         "--steps", "2", "--compile", "--out", str(out), "--timeout", "120"])
+    assert rc == 0, stderr
+    assert "compiled by inductor in" in stdout, stdout
+    found = peaks(out)
+    print(f"--compile, {secs:.0f} s: step, rank, measured, predicted: {found}")
+    assert sorted({(n, r) for n, r, _, _ in found}) == [(n, r) for n in (1, 2) for r in (0, 1)], found
+    assert within(found), found
 
 
 def test_bf16_sp2_follows_bf16_sp1(tmp_path):
@@ -459,42 +519,8 @@ def test_a_checkpoint_of_4_ranks_exports_to_a_hugging_face_folder(runs, capsys):
         assert torch.equal(trained(ids).logits, hf(ids).logits)
     init = build_model(model_config(str(four)), seed=0)
     assert all(not torch.equal(p, q) for p, q in zip(trained.parameters(), init.parameters()))
-    # dp 2: the loss recorded is the mean of the dp ranks' (equal token counts): the whole batch's
-    assert close(exported_losses(runs / "four-hf", [3]), losses(four)[2:3])
     assert main(["export", str(four), "--step", "3", "--out", str(runs / "no")]) == 2
     assert "no checkpoint step-3 (it has step-2, step-4). Fix: --step 4" in capsys.readouterr().err
-
-
-def exported_losses(folder, steps: list[int]) -> list[float]:
-    """The losses of a Hugging Face folder's model on the batches of `steps` (1-based, as metrics.jsonl counts them)
-    of this module's runs: the default corpus, seed 0, 2 x 64 tokens; step n reads the batch of index n - 1
-    (train.micro_batches)."""
-    from transformers import AutoModelForCausalLM
-
-    from autosp.run.data import batch_inputs, stdlib_corpus
-    hf = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
-    got = []
-    for n in steps:
-        ids, labels, _ = batch_inputs(stdlib_corpus(), seq_len=64, batch=2, step=n - 1, seed=0)
-        with torch.no_grad():
-            got.append(float(hf(torch.from_numpy(ids), labels=torch.from_numpy(labels)).loss))
-    return got
-
-
-def test_the_exported_model_has_the_loss_the_run_recorded(runs, sharded_run, capsys):
-    """metrics.jsonl's loss of step n is the model after n - 1 updates on step n's batch, so the export of
-    checkpoint step-2 (written after step 2's update) has step 3's loss on step 3's batch: within 1e-5 (fp32, the
-    run at sp 2, this on one device). Not step 2's (the weights before that update) nor step 4's (the batch it
-    read with the weights after step 3): the pairing is exact, not near."""
-    out = sharded_run[0]
-    hf = runs / "saved-hf"
-    assert main(["export", str(out), "--step", "2", "--out", str(hf)]) == 0
-    capsys.readouterr()
-    recorded, (before, got, after) = losses(out), exported_losses(hf, [2, 3, 4])
-    print(f"export of step-2: {got!r} on step 3's batch, recorded {recorded[2]!r} "
-          f"(relative {abs(got - recorded[2]) / recorded[2]:.1e})")
-    assert close([got], recorded[2:3]), (got, recorded)
-    assert not close([before], recorded[1:2]) and not close([after], recorded[3:4]), (before, after, recorded)
 
 
 def _reshard_job(rank, world, model, path, save, offload):
@@ -788,11 +814,15 @@ def test_a_plan_traces_without_source_lines_but_its_errors_name_the_line():
             tracer.trace(256)
 
 
-@pytest.mark.parametrize("reach", [17344, 17408, 20000, 64 * 40, 17000, 64, 10])
-def test_the_plan_check_finds_trains_length_in_few_plans(reach, monkeypatch):
+@pytest.mark.parametrize("excess", [False, True], ids=["fits-only", "bytes"])
+@pytest.mark.parametrize("reach", [17344, 17408, 20000, 64 * 40, 17000, 64, 10, 69_504])
+def test_the_plan_check_finds_trains_length_in_few_plans(reach, excess, monkeypatch):
     """`autosp plan` holds its answer to the plan `autosp train` makes: the longest multiple of the granule that
-    fits, one granule more refused, in a number of plans that grows with the log of the distance (a walk of one
-    granule at a time planned 1B at sp 1 for over ten minutes, 15-20 s a plan)."""
+    fits, one granule more refused. A verdict that says only whether a length fits is found in a number of plans
+    that grows with the log of the distance (a walk of one granule at a time planned 1B at sp 1 for over ten
+    minutes, 15-20 s a plan); one that says by how many bytes the least peak is over its budget (train's verdict
+    by --memory) is aimed at, and found in at most three pairs where that excess is a line in the length, with a
+    step of its own a few granules wide (the least-peak search's tiling and checkpoint choices)."""
     from types import SimpleNamespace
 
     from autosp.run import answer
@@ -806,8 +836,13 @@ def test_the_plan_check_finds_trains_length_in_few_plans(reach, monkeypatch):
             return Step(n)
 
     def at_length(step, **_):
-        asked.append(step.seq_len)
-        return SimpleNamespace(fits=step.seq_len <= reach)
+        n = step.seq_len
+        asked.append(n)
+        if not excess:
+            return SimpleNamespace(fits=n <= reach)
+        least = 3_000 * n + 50_000 * (n // 300) + 7_000_000            # affine, with steps of its own
+        budget = 3_000 * reach + 50_000 * (reach // 300) + 7_000_000
+        return SimpleNamespace(fits=least <= budget, verdict=least <= budget, least=least, budget=budget)
 
     monkeypatch.setattr(answer, "at_length", at_length)
     length, note = answer._checked(Step(17344), 64, parallel=False)
@@ -817,6 +852,8 @@ def test_the_plan_check_finds_trains_length_in_few_plans(reach, monkeypatch):
         assert length == reach // 64 * 64 and f"{length:,} tokens fit" in note
         assert all(n % 64 == 0 for n in asked) and (length + 64) in asked
     assert len(asked) <= 2 + 2 * math.ceil(math.log2(17344 / 64 + abs(reach - 17344) / 64 + 2)), asked
+    if excess and reach >= 64:
+        assert len(asked) <= 8, asked
 
 
 def test_planning_worlds_leave_the_excepthook_as_they_found_it():

@@ -114,6 +114,15 @@ def worker(a) -> None:
 MEASURED_STEPS = 3          # CPU: the steps whose peak the profiler measures (it slows a step)
 
 
+def own_param_bytes(model, sharded: bool, dtype) -> int:
+    """This rank's parameters as the step keeps them, counted on the parameters it holds: sharded, the fp32 rows of
+    its own shards (plan.master_bytes counts the fullest rank's, the one the budget is planned for; FSDP2's uneven
+    split leaves the last ranks fewer rows); else every parameter in `dtype`."""
+    if not sharded:
+        return sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in model.parameters())
+
+
 def micro_batches(corpus, step, *, n: int, seed: int, part: tuple[int, int], dev) -> list[tuple]:
     """Step n's (ids, labels, position ids or None) for this dp rank, split into its --grad-accum micro-batches."""
     ids, labels, pos = batch_inputs(corpus, seq_len=step.seq_len, batch=step.global_batch, step=n, seed=seed,
@@ -121,8 +130,12 @@ def micro_batches(corpus, step, *, n: int, seed: int, part: tuple[int, int], dev
     k = step.rank_batch
 
     def t(x, i):
-        return None if x is None else torch.from_numpy(x[i * k:(i + 1) * k]).to(dev)
-    return [(t(ids, i), t(labels, i), t(pos, i)) for i in range(step.grad_accum)]
+        return None if x is None else torch.from_numpy(x[i * k:(i + 1) * k]).to(dev, copy=True)
+    out = []
+    for i in range(step.grad_accum):
+        x = t(ids, i)
+        out.append((x, x if labels is ids else t(labels, i), t(pos, i)))
+    return out
 
 
 def accumulated_step(step_fn, params: dict, micro: list[tuple]):
@@ -200,7 +213,7 @@ class _Logs:
                              ("eval_perplexity", "eval/perplexity")):
                 if row.get(key) is not None:
                     self.tb.add_scalar(tag, row[key], n)
-            self.tb.add_scalar("memory/predicted_MiB", row["predicted_peak_bytes"][0] / 2**20, n)
+            self.tb.add_scalar("memory/predicted_MiB", max(row["predicted_peak_bytes"]) / 2**20, n)
             measured = [m for m in row["peak_mem_bytes"] if m is not None]
             if measured:
                 self.tb.add_scalar("memory/measured_MiB", max(measured) / 2**20, n)
@@ -276,8 +289,10 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
     def loss_fn(params, input_ids, labels, position_ids):
         return step_loss(model, params, input_ids, labels, position_ids)
 
-    # the step as `autosp plan --seq-len` planned it: the same budget, host capacity, tiling and ring
+    # the step as `autosp plan --seq-len` planned it: the same budget, host capacity, tiling and ring (the fullest
+    # rank's model state); `own`: this rank's, what its prediction counts
     fit = Fit(step, state_model, step.token_bytes())
+    own = Fit(step, model_state(step, own_param_bytes(model, sharded, step.dtype)), step.token_bytes())
     fit.budget = step.step_budget(fit.resident)
     fit.host_cap = step.activation_host_bytes(state_model.host)
     step_fn = value_and_grad(loss_fn, mesh, memory_budget=1.0 if fit.budget is None else fit.budget,
@@ -285,7 +300,9 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
                              tiles=None if step.tile else {}, compile=a.compile)
     part = (dp_rank, dp)
     plan = step_fn.plan(params, *micro_batches(corpus, step, n=start, seed=a.seed, part=part, dev=dev)[0])
-    predicted = fit.resident + plan.peak_bytes   # compiling the step above refused a budget it cannot meet
+    # this rank's plan (compiling the step above refused a budget it cannot meet) and its own model state; a step
+    # before the optimizer has state (a fresh run's first) peaks without the moments its update then makes
+    predicted = own.resident + plan.peak_bytes
     tokens_per_step = step.global_batch * step.seq_len
     n_params = count_parameters(model)
     accum = f" in {step.grad_accum} micro-steps" if step.grad_accum > 1 else ""
@@ -299,7 +316,7 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
                               if inputs.heldout is not None and a.eval_every else "") + "\n"
          + (f"  RoPE: {rope}, {spec.config.max_position_embeddings:,} positions\n"
             if step.rope_scaling or step.rope_theta else "")
-         + f"{_memory_lines(fit, plan, step)}\n"
+         + f"{_memory_lines(own, plan, step)}\n"
          f"  measured: {meter.kind}" + ("" if dev.type == "cuda" else f", steps 1-{MEASURED_STEPS}") + "\n"
          f"  {_state_line(model, world, dev, sharded, step.optimizer_offload, 2 if step.optimizer == 'adamw' else 0)}"
          + (f"\n  resumed from {resumed} (step {start})" if resumed else ""))
@@ -307,13 +324,15 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
     logs = _Logs(a, spec, tok, start) if rank == 0 else None
     first_loss = last_loss = None
     run_losses: list[float] = []
-    worst = None                                 # (measured - predicted) / predicted, the largest seen on any rank
+    worst = None                                 # (measured - predicted) / predicted, each rank against its own
+                                                 # prediction: the largest seen
     pool = _pinned_pool if dev.type == "cuda" else _host_pool
     t_start = time.perf_counter()
     meter.begin()
     for n in range(start + 1, a.steps + 1):
         faults.maybe_fail("step", n)
         t0 = time.perf_counter()
+        mine = predicted - (0 if opt.state else own.state.moments)
         micro = micro_batches(corpus, step, n=n - 1, seed=a.seed, part=part, dev=dev)
         loss = accumulated_step(step_fn, params, micro)
         del micro
@@ -324,17 +343,20 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        loss_v = float(loss)
+        loss_v, norm = float(loss), None if norm is None else float(norm)     # not into the next step's peak
         del loss
         dt = time.perf_counter() - t0
         peak = meter.lap()
-        mem = torch.tensor([-1 if peak is None else peak, pool.nbytes()], dtype=torch.float64, device=dev)
+        # float64 holds byte counts exactly (below 2**53)
+        mem = torch.tensor([-1 if peak is None else peak, pool.nbytes(), mine], dtype=torch.float64, device=dev)
         mems = [torch.zeros_like(mem) for _ in range(world)]
         dist.all_gather(mems, mem)
         measured = [None if m[0] < 0 else int(m[0].item()) for m in mems]
         host = [int(m[1].item()) for m in mems]
+        predictions = [int(m[2].item()) for m in mems]
+        del mem, mems                            # not into the next step's peak
         if measured[0] is not None:
-            off = max((m - predicted) / predicted for m in measured)
+            off = max((m - p) / p for m, p in zip(measured, predictions))
             worst = off if worst is None else max(worst, off)
         if a.compile and n == start + 1:
             secs, cache = step_fn.sharded.compile_report()
@@ -344,16 +366,18 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
             eval_loss = evaluate(step_fn.sharded, params, inputs.heldout, step, batches=a.eval_batches,
                                  seed=a.seed, part=part, dev=dev)
         if rank == 0:
-            row = {"step": n, "loss": loss_v, "lr": lr, "grad_norm": None if norm is None else float(norm),
+            row = {"step": n, "loss": loss_v, "lr": lr, "grad_norm": norm,
                    "tokens": n * tokens_per_step, "step_s": dt, "tokens_per_s": tokens_per_step / dt,
-                   "peak_mem_bytes": measured, "predicted_peak_bytes": [predicted] * world,
+                   "peak_mem_bytes": measured, "predicted_peak_bytes": predictions,
                    "memory_bytes": step.memory_bytes, "host_bytes": host, "peak_mem_kind": meter.kind}
             if eval_loss is not None:
                 row.update(eval_loss=eval_loss, eval_perplexity=math.exp(min(eval_loss, 50.0)))
             logs.write(row)
             shown = ("measured " + " ".join(f"r{i} {m / 2**20:.1f}M" for i, m in enumerate(measured))
                      if measured[0] is not None else "")
-            mem_text = f"{shown} / predicted {predicted / 2**20:.1f}M".lstrip()
+            told = (f"{predictions[0] / 2**20:.1f}M" if len(set(predictions)) == 1 else
+                    " ".join(f"r{i} {p / 2**20:.1f}M" for i, p in enumerate(predictions)))
+            mem_text = f"{shown} / predicted {told}".lstrip()
             ev = f" | eval {eval_loss:.4f}" if eval_loss is not None else ""
             if logs.bar is not None:
                 logs.bar.set_postfix_str(f"loss {loss_v:.4f}{ev} | {tokens_per_step / dt:,.0f} tok/s | {mem_text}")
@@ -381,8 +405,8 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
         plot = (f"loss curve {png}" if png else
                 "loss curve skipped: matplotlib is not installed (pip install 'autosp[train]')")
         held = ("" if worst is None else
-                f"  memory     measured peak {'+' if worst >= 0 else ''}{100 * worst:.2f} % against the predicted "
-                f"{predicted / 2**20:.2f} MiB per rank (the worst rank and step measured)\n")
+                f"  memory     measured peak {'+' if worst >= 0 else ''}{100 * worst:.2f} % against each rank's own "
+                f"prediction (rank 0: {predicted / 2**20:.2f} MiB; the worst rank and step measured)\n")
         tb = f"  tensorboard {os.path.join(a.out, 'tb')}\n" if logs.tb is not None else ""
         if a.export:                              # the checkpoint just written, whole, as a Hugging Face folder
             from autosp.run.export import export
