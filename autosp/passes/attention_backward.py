@@ -31,14 +31,16 @@ _BACKWARDS = tuple(getattr(aten, name).default for name in (
 
 
 def eligible(e: Eqn) -> bool:
-    """An attention backward autosp's kernel computes exactly: causal or not, GQA, no mask tensor, no dropout."""
+    """An attention backward autosp's kernel computes exactly: causal or not, GQA, no mask tensor, no dropout, a dtype
+    and head dim its Triton kernel takes (elsewhere it would run the math path, whose memory no plan counts)."""
     if e.op.target not in _BACKWARDS or len(e.outputs) != 3:
         return False
     b = e.bind_schema()
     mask = b.get("attn_mask", b.get("attn_bias"))
     q, k = b["query"], b["key"]
+    from autosp.kernels.flash import _kernel_unsupported
     return (mask is None and not b.get("dropout_p") and q.ndim == 4 and k.ndim == 4 and q.shape[1] % k.shape[1] == 0
-            and b["logsumexp"].numel() == q.numel() // q.shape[-1])
+            and b["logsumexp"].numel() == q.numel() // q.shape[-1] and _kernel_unsupported(q) is None)
 
 
 def autosp_backward(e: Eqn) -> Eqn:

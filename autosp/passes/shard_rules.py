@@ -295,7 +295,7 @@ def attention_rule(ctx: ShardCtx, e: Eqn) -> None:
             mask = ctx.emit(autosp_ops.pad_attn_mask, (mask, padded), source=e.source)
     elif padded > length and not is_causal:
         mask = ctx.emit(autosp_ops.key_padding_mask, (length, padded, torch.device(q.device)), source=e.source)
-    # one attention op; which kernel runs it is lowering's choice (autosp/kernels/dispatch.py)
+    # one attention op; which kernel runs it is lowering's choice (autosp/ir/lower.py, attention_kernel)
     kw = {"attn_mask": mask, "dropout_p": b["dropout_p"], "is_causal": is_causal, "scale": b["scale"]}
     if gqa:
         kw["enable_gqa"] = True

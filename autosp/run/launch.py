@@ -175,6 +175,16 @@ def launcher_args(a, argv: list[str]) -> list[str]:
     return args + ["-m", "autosp.cli"] + argv
 
 
+def rank_threads(ranks: int) -> int:
+    """The intra-op threads each of `ranks` CPU ranks on this machine runs with: OMP_NUM_THREADS if set, else the
+    cores shared out (what `launch` sets). A CPU plan prices ATen's attention scratch per thread, so the planner
+    prices it at this count, not at its own process's."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    return max(1, (os.cpu_count() or 1) // max(1, ranks))
+
+
 def launch(a, argv: list[str]) -> int:
     """Run `autosp train` on its ranks; the exit code of the whole run."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -185,7 +195,7 @@ def launch(a, argv: list[str]) -> int:
             logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ[LAUNCHED] = "1"
     ranks = a.nproc_per_node or a.step.world
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, ranks))))
+    os.environ.setdefault("OMP_NUM_THREADS", str(rank_threads(ranks)))
     targs = get_args_parser().parse_args(launcher_args(a, argv))
     try:
         run(targs)
