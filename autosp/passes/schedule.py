@@ -209,18 +209,24 @@ def _grad_layers(graph: Graph) -> dict[str, str]:
 
 def place_collectives(graph: Graph) -> Graph:
     """Starts up to their inputs, then waits down to their first reader (reduce-scatters: before the next layer's
-    first start, as the starts then stand)."""
+    first start, as the starts then stand). The scans compare each equation's input names as one frozenset (C
+    speed): an 8B program's 20K equations were 0.9 s a call in Python's any(), half of a verdict's planning."""
     eqns = list(graph.eqns)
     if not any(e.op.name == "wait_collective" for e in eqns):
         return graph
+    reads = {id(e): frozenset(x.name for x in e.inputs) for e in eqns}
+    n_readers: dict[str, int] = {}
+    for e in eqns:
+        for name in reads[id(e)]:
+            n_readers[name] = n_readers.get(name, 0) + 1
     # starts, first first: each right after the equation making the last of its inputs
     k = 0
     while k < len(eqns):
         e = eqns[k]
         if e.op.name in ("all_to_all_start", "reduce_scatter_param_start"):
-            needs = {x.name for x in e.inputs}
+            needs = reads[id(e)]
             j = k - 1
-            while j >= 0 and not any(o.name in needs for o in eqns[j].outputs):
+            while j >= 0 and needs.isdisjoint(o.name for o in eqns[j].outputs):
                 j -= 1
             if j + 1 < k:
                 del eqns[k]
@@ -238,11 +244,18 @@ def place_collectives(graph: Graph) -> Graph:
             continue
         placed.add(id(e))
         block = _result_eqns(eqns, k)
-        made = {o.name for b in block for o in b.outputs} | {x.name for x in e.inputs}
+        made = {o.name for b in block for o in b.outputs} | reads[id(e)]
         starter = _starter(eqns, k)
         rs = starter is not None and starter.op.name == "reduce_scatter_param_start"
         del eqns[k:k + len(block)]
-        at = next((j for j in range(k, len(eqns)) if any(x.name in made for x in eqns[j].inputs)), len(eqns))
+        inside = {}
+        for b in block:
+            for name in reads[id(b)]:
+                inside[name] = inside.get(name, 0) + 1
+        if all(n_readers.get(name, 0) <= inside.get(name, 0) for name in made):
+            at = len(eqns)            # nothing outside the block reads what it makes (a gradient the end returns)
+        else:
+            at = next((j for j in range(k, len(eqns)) if not made.isdisjoint(reads[id(eqns[j])])), len(eqns))
         if rs and at == len(eqns):    # from its start on (a reduce-scatter's wait may move up, its reader is the end)
             since = next(j for j in range(k - 1, -1, -1) if eqns[j] is starter) + 1
             at = _next_layer_start(eqns, since, layer_of_grad, made & finals)
@@ -254,7 +267,8 @@ def place_collectives(graph: Graph) -> Graph:
 
 def _starter(eqns: list, k: int):
     landing = eqns[k].inputs[-1].name
-    return next((e for e in reversed(eqns[:k]) if e.op.name in STARTS and e.outputs[-1].name == landing), None)
+    return next((eqns[j] for j in range(k - 1, -1, -1)
+                 if eqns[j].op.name in STARTS and eqns[j].outputs[-1].name == landing), None)
 
 
 def _next_layer_start(eqns: list, k: int, layers: dict, grads: set) -> int:

@@ -22,6 +22,7 @@ __all__ = ["BudgetError", "Decision", "Plan", "compile_step", "make_plan", "pars
 
 _JOINTS: dict = {}          # the last few joint graphs, by the sharded graph they differentiate: (boundary,
                             # joint, program_key)
+_KEEP = 12                  # autosp plan's: no SP and SP untiled at two lengths, the search's tiled ones, a check's
 
 
 def joint_of(local):
@@ -45,10 +46,27 @@ def joint_of(local):
                     continue
         if hit is None:
             hit = (boundary, differentiate(boundary.graph), shape)
-        if len(_JOINTS) >= 8:
+        if len(_JOINTS) >= _KEEP:
             _JOINTS.pop(next(iter(_JOINTS)))
         _JOINTS[key] = hit
     return hit[:2]
+
+
+def export_joints() -> bytes:
+    """The joints this process has derived, as bytes (ir/serial.py) for another process to adopt_joints: `autosp
+    plan`'s search process hands them to the one that checks its answer, which then re-instantiates them at each
+    length it asks (passes/rescale.py, 1.5 s for the 8B step) instead of differentiating (4 s untiled, 16 s tiled)."""
+    from autosp.ir.serial import dumps
+    return dumps([entry for entry in _JOINTS.values()])
+
+
+def adopt_joints(data: bytes) -> None:
+    """Joints another process derived (export_joints), kept for joint_of to re-instantiate."""
+    from autosp.ir.serial import loads
+    for entry in loads(data):
+        if len(_JOINTS) >= _KEEP:
+            _JOINTS.pop(next(iter(_JOINTS)))
+        _JOINTS[("adopted", entry[2])] = tuple(entry)
 
 
 def tiling_levels(chains, levels: int = 6) -> list[dict[str, int]]:
@@ -163,6 +181,22 @@ def _joint(local, attention: str = "sdpa"):
     return boundary, joint
 
 
+def _attention_bound(program, device: str) -> bool:
+    """Whether an attention backward's own scratch reaches the step's peak: one whose memory while it runs, less
+    what autosp's kernel would save there, is within that saving of the peak (else the kernel cannot lower it)."""
+    from autosp.kernels.sdpa_backward import scratch_bytes
+    from autosp.passes.attention_backward import eligible
+    from autosp.passes.schedule import schedule_program
+    from autosp.remat import liveness
+    mem = simulate_step(program, device)
+    for e, during in zip(schedule_program(program).backward.eqns, mem.backward.during):
+        if eligible(e):
+            saving = liveness.workspace(e, device) - scratch_bytes(e.inputs[1], e.inputs[2], "cuda")
+            if saving > 0 and during >= mem.peak - saving:
+                return True
+    return False
+
+
 def attention_kernels(local, dev, attention=None) -> tuple[str, ...]:
     """The attention backward kernels the planner weighs for a step on `dev`: SDPA's backend alone on the CPU
     (its scratch is per thread) or where no attention backward could run otherwise; on a GPU also autosp's, whose
@@ -213,8 +247,11 @@ def _plan_now(local, memory_budget, dev, *, host_memory=None, refine: bool = Tru
 
     if kind == "least":                          # the most tiles usually, but not where tiling costs more
         ends = [levels[0]] if levels[0] == levels[-1] else [levels[0], levels[-1]]
-        return min((at(ks, memory_budget, kernel=kernel) for ks in ends for kernel in kernels),
-                   key=lambda r: (r[0].peak_bytes, r[0].attention_backward != kernels[0]))
+        found = [at(ks, memory_budget, kernel=kernels[0]) for ks in ends]
+        # autosp's attention backward, where the backend's scratch is what holds a least peak up
+        found += [at(r[4], memory_budget, kernel=kernel) for r in found if _attention_bound(r[1], dev.name)
+                  for kernel in kernels[1:]]
+        return min(found, key=lambda r: (r[0].peak_bytes, r[0].attention_backward != kernels[0]))
     budget = memory_budget
     if kind == "fraction" and len(levels) > 1:
         whole = make_plan(_joint(local, kernels[0])[1], None, dev, offload=offload, host_memory=host_memory)[0]

@@ -423,14 +423,21 @@ def probe(tracer, l1: int, l2: int, device: str, offload: bool, parallel: bool =
     lengths (its bytes are affine in the length). Each process differentiates each of its programs once,
     at one length; the other length's joint is re-instantiated (remat.joint_of). Each SP step is traced
     once: by this process at l1, by the other at l2, each handing its trace to the other (_Shared)."""
+    from autosp.remat import adopt_joints, export_joints
     shared = tracer.shared = _Shared()
+
+    def search():
+        out = probe_long(tracer, l1, l2, device, offload, host_memory, fit, tiled, host_bw)
+        return out + ((export_joints() if parallel else None),)
+
     try:
-        profiles, (found, priced, decisions) = _both(
-            lambda: probe_short(tracer, l1, l2, device),
-            lambda: probe_long(tracer, l1, l2, device, offload, host_memory, fit, tiled, host_bw), parallel)
+        profiles, (found, priced, decisions, joints) = _both(lambda: probe_short(tracer, l1, l2, device), search,
+                                                             parallel)
     finally:
         tracer.shared = None
         shared.close()
+    if joints is not None:            # the search's (tiled) joints, for this process's checks at other lengths
+        adopt_joints(joints)
     least, seconds, tiling, method = found
     return Probe(profiles, least, priced, decisions, seconds, tiling, method)
 
