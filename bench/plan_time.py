@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     for end, name, secs, what, fits in log:
         print(f"{end:7.1f} s  {name} {what if what else ''}{'' if fits == '' else (' fits' if fits else ' refused')}: "
               f"{secs:.1f} s")
-    print(str(report).splitlines()[-1])
+    print(str(report))
     print(f"answer {report.length:,}; wall {wall:.1f} s")
     return 0
 

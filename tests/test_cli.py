@@ -845,7 +845,7 @@ def test_the_plan_check_finds_trains_length_in_few_plans(reach, excess, monkeypa
         return SimpleNamespace(fits=least <= budget, verdict=least <= budget, least=least, budget=budget)
 
     monkeypatch.setattr(answer, "at_length", at_length)
-    length, note = answer._checked(Step(17344), 64, parallel=False)
+    length, note, _ = answer._checked(Step(17344), 64, parallel=False)
     if reach < 64:
         assert "fits no multiple of 64" in note and length == 17344
     else:

@@ -181,6 +181,11 @@ def _joint(local, attention: str = "sdpa"):
     return boundary, joint
 
 
+def _widest(graph) -> int:
+    """The bytes of the widest value a program's equations make."""
+    return max((v.nbytes() for e in graph.eqns for v in e.outputs), default=0)
+
+
 def _attention_bound(program, device: str) -> bool:
     """Whether an attention backward's own scratch reaches the step's peak: one whose memory while it runs, less
     what autosp's kernel would save there, is within that saving of the peak (else the kernel cannot lower it)."""
@@ -246,12 +251,20 @@ def _plan_now(local, memory_budget, dev, *, host_memory=None, refine: bool = Tru
         return at(ks, budget, search, kernels[-1])
 
     if kind == "least":                          # the most tiles usually, but not where tiling costs more
-        ends = [levels[0]] if levels[0] == levels[-1] else [levels[0], levels[-1]]
-        found = [at(ks, memory_budget, kernel=kernels[0]) for ks in ends]
+        ends = [levels[-1]] if levels[0] == levels[-1] else [levels[-1], levels[0]]
+        found = []
+        for ks in ends:
+            # every forward equation runs, so no plan's peak is below the widest value the forward makes: a tiling
+            # whose widest value is above a least found already is not searched (the untiled step's logits at
+            # long context)
+            if found and _widest(_tiled(local, ks, chains) if ks else local) >= found[0][0].peak_bytes:
+                continue
+            found.append(at(ks, memory_budget, kernel=kernels[0]))
         # autosp's attention backward, where the backend's scratch is what holds a least peak up
         found += [at(r[4], memory_budget, kernel=kernel) for r in found if _attention_bound(r[1], dev.name)
                   for kernel in kernels[1:]]
-        return min(found, key=lambda r: (r[0].peak_bytes, r[0].attention_backward != kernels[0]))
+        # the lower least; at a tie the backend's kernel and the fewer tiles (both faster)
+        return min(found, key=lambda r: (r[0].peak_bytes, r[0].attention_backward != kernels[0], sum(r[4].values())))
     budget = memory_budget
     if kind == "fraction" and len(levels) > 1:
         whole = make_plan(_joint(local, kernels[0])[1], None, dev, offload=offload, host_memory=host_memory)[0]

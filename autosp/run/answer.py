@@ -282,18 +282,30 @@ def longest(step: Step, *, parallel: bool = True, granularity: int | None = None
     # one answer: the ILP row shows the length the printed `autosp train` command trains, and that plan's memory
     note = "not checked against train's plan"
     if rows[2].length and check:
-        length, note = _checked(step.with_length(rows[2].length), granule, parallel)
-        if length != rows[2].length:
-            fit = at_length(step.with_length(length), with_longest=False, parallel=parallel)
-            if fit.plan is not None:
-                rows[2] = Row(rows[2].name, length, fit.plan.peak_bytes + fit.tokens, fit.comm,
-                              f"the plan autosp train makes at {length:,} (the least-peak plan found at {l2:,}, "
-                              f"replayed at {l1:,}, fits up to {rows[2].length:,})", fit.seconds, fit.saved,
-                              fit.plan.offload_bytes)
-                host_line = _host_line(host, host_memory is not None, world, offload, fit.plan.offload_bytes,
-                                       fit.plan.offload_seconds, st.host)
-            else:                                          # train's verdict fits, its plan did not: say the row's
-                length, note = rows[2].length, note + f"; train's plan at {length:,} was refused ({fit.why})"
+        length, note, fit = _checked(step.with_length(rows[2].length), granule, parallel)
+        if length != rows[2].length:                   # the row: train's verdict at that length, its least-peak plan
+            if fit is None or fit.least_plan is None or fit.least_plan[1] is None:
+                fit = at_length(step.with_length(length), with_longest=False, quick=True)
+            plan, program = fit.least_plan
+            if program is None:                        # read from the plan cache: plan it here for its split
+                fit = _plan_least(step.with_length(length))
+                plan, program = fit.least_plan
+            from autosp.remat.cost import device_for, eqn_cost
+            from autosp.run.plan import _profile, comm_bytes
+            dev = device_for(device, step.host_bandwidth)
+            with fake_world(world), _as_ranks_run(step):        # the collectives' groups, as the probes had them
+                values, saved, _ = _profile(program, device)
+                comm = comm_bytes(program)
+            seconds = sum(eqn_cost(e, dev).seconds for g in (program.forward, program.backward) for e in g.eqns)
+            rows[2] = Row(rows[2].name, length, plan.peak_bytes + fit.tokens, comm,
+                          f"the least-peak plan autosp train's verdict finds at {length:,} ({fmt(plan.peak_bytes)}"
+                          + (f", by {plan.method}" if plan.method != "ILP" else "")
+                          + (f"; it tiles {', '.join(_tiled_names(plan.tiling))}" if plan.tiling else "")
+                          + ("; attention backward by autosp's kernel" if plan.attention_backward != "sdpa" else "")
+                          + f"; the one found at {l2:,} and replayed at {l1:,} fit up to {rows[2].length:,})",
+                          seconds, int(saved[int(np.argmax(values))]), plan.offload_bytes)
+            host_line = _host_line(host, host_memory is not None, world, offload, plan.offload_bytes,
+                                   plan.offload_seconds, st.host)
     # replicated: the gradients are all-reduced after the step, by ring; sharded: reduce-scattered in it
     dp_comm = 0 if sharded else ring_allreduce_bytes(st.grads, dp)
     sp_grad = 0 if sharded else ring_allreduce_bytes(st.grads, sp)
@@ -358,7 +370,7 @@ def longest(step: Step, *, parallel: bool = True, granularity: int | None = None
     return Report("\n".join(out), best is not None, best)
 
 
-def _checked(step: Step, granule: int, parallel: bool = True) -> tuple[int, str]:
+def _checked(step: Step, granule: int, parallel: bool = True):
     """The ILP row's length held to the plan `autosp train` makes (at_length's verdict): the longest multiple of
     `granule` near it that train's plan fits, one granule more refused. The row's plan is the least-peak plan found
     at the longer probe; train plans the least at its own length, trying every tiling, which may reach a little
@@ -367,13 +379,14 @@ def _checked(step: Step, granule: int, parallel: bool = True) -> tuple[int, str]
     verdict says by how many bytes its least peak is over or under the budget, and that excess grows with the
     length as a step's bytes do, so the pair goes where the line through the nearest verdicts crosses zero (within
     the lengths known to fit and not to fit; by halving where the line does not help). (length, the line that
-    says so)"""
+    says so, the verdict's Fit where this process made it, else None)"""
     from autosp.run.plan import _both
     first = step.seq_len
     excess: dict[int, float] = {}                   # length -> least peak - budget (fits: <= 0)
+    here: dict[int, Fit] = {}                       # the verdicts this process made (the others' are in children)
 
     def verdict(length: int) -> float:
-        fit = at_length(step.with_length(length), with_longest=False, quick=True)
+        fit = here[length] = at_length(step.with_length(length), with_longest=False, quick=True)
         if getattr(fit, "verdict", None) is None or fit.least is None:   # no verdict by --memory: fits or not
             return -1.0 if fit.fits else 1.0
         return float(fit.least - fit.budget)
@@ -419,7 +432,7 @@ def _checked(step: Step, granule: int, parallel: bool = True) -> tuple[int, str]
         if lo is not None and hi is not None and hi - lo <= granule:
             break
         if lo is None and min(excess) <= granule:
-            return first, f"checked: train's own plan fits no multiple of {granule} tokens up to {first:,}"
+            return first, f"checked: train's own plan fits no multiple of {granule} tokens up to {first:,}", None
         if lo is not None and hi is not None:            # a bracket that did not halve: halve it next
             stalled = width is not None and (hi - lo) > width // 2
             width = hi - lo
@@ -429,7 +442,7 @@ def _checked(step: Step, granule: int, parallel: bool = True) -> tuple[int, str]
     how = ("the ILP row's length" if length == first else
            f"{(length - first) // granule:+d} granule(s) from the ILP row's {first:,}")
     return length, (f"checked against the plan autosp train makes (autosp plan --seq-len): {length:,} tokens fit "
-                    f"({how}), {length + granule:,} do not ({len(excess)} verdicts)")
+                    f"({how}), {length + granule:,} do not ({len(excess)} verdicts)"), here.get(length)
 
 
 # ---------------------------------------------------------------- one length: what `autosp train` runs
@@ -451,6 +464,7 @@ class Fit:
     why: str = ""                   # refused: why
     report: Report | None = None    # refused: `autosp plan` for the same flags (the longest that fits)
     verdict: bool | None = None     # the budget is what --memory leaves: whether the least peak fits it (fits)
+    least_plan: tuple | None = None  # that verdict's (Plan, Program); the Program None when read from the plan cache
 
     @property
     def resident(self) -> int:
@@ -579,8 +593,9 @@ def at_length(step: Step, *, with_longest: bool = True, parallel: bool = True, q
         args = dict(device=step.target, host_bandwidth=step.host_bandwidth, host_memory=fit.host_cap)
         tiles = None if step.tile else {}
         if step.memory_budget is None and step.memory is not None:         # the budget is what --memory leaves
-            least = plan_step(local, "least", refine=False, tiles=tiles, plan_only=True, **args)[0]
+            least, program, _, _ = plan_step(local, "least", refine=False, tiles=tiles, plan_only=quick, **args)
             fit.least = least.peak_bytes
+            fit.least_plan = (least, program)
             fit.verdict = fit.least <= fit.budget
             if not fit.verdict:
                 fit.why = (f"the least peak autosp reaches is {fmt(fit.least)}, {fmt(fit.least - fit.budget)} over "
@@ -592,6 +607,20 @@ def at_length(step: Step, *, with_longest: bool = True, parallel: bool = True, q
     if not fit.fits and with_longest and step.memory is not None and not fit.why.startswith("->"):
         fit.report = longest(step.with_length(None), parallel=parallel)
     return fit
+
+
+def _plan_least(step: Step) -> Fit:
+    """at_length's verdict planned afresh (the plan cache off): its least-peak plan with its programs."""
+    import os
+    before = os.environ.get("AUTOSP_PLAN_CACHE")
+    os.environ["AUTOSP_PLAN_CACHE"] = "off"
+    try:
+        return at_length(step, with_longest=False, quick=True)
+    finally:
+        if before is None:
+            os.environ.pop("AUTOSP_PLAN_CACHE")
+        else:
+            os.environ["AUTOSP_PLAN_CACHE"] = before
 
 
 def _plan_it(fit: Fit, local, tiles, args) -> None:
