@@ -324,7 +324,7 @@ def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory
         tiles = {name: k for name, k, _, _ in plan.tiling}
         if not short:
             short.append(tracer.trace(l1, single=False).local)
-        priced1, joint1 = _replay(short[0], decisions, tiles, device)
+        priced1, joint1 = _replay(short[0], decisions, tiles, device, plan.attention_backward)
         check_affine(signature(joint1.graph), l1, signature(joint.graph), l2)
         out = ((plan.peak_bytes, plan.offload_seconds, plan.tiling, plan.method),
                {l1: priced1, l2: _priced(program, device)}, decisions)
@@ -359,13 +359,14 @@ def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory
     return out
 
 
-def _replay(local1, decisions, tiles, device):
-    """_priced of a plan made at another length (decisions, tiling by chain name) on the step `local1`,
-    and that step's joint (re-instantiated from the other length's where it can be: remat.joint_of)."""
+def _replay(local1, decisions, tiles, device, attention: str = "sdpa"):
+    """_priced of a plan made at another length (decisions, tiling by chain name, the attention backward's kernel)
+    on the step `local1`, and that step's joint (re-instantiated from the other length's where it can be:
+    remat.joint_of)."""
     from autosp.passes.tile import find_chains, tile
-    from autosp.remat import _by_id, joint_of
+    from autosp.remat import _by_id, _joint
     from autosp.remat.apply import apply_plan
-    joint1 = joint_of(tile(local1, _by_id(tiles, find_chains(local1))) if tiles else local1)[1]
+    joint1 = _joint(tile(local1, _by_id(tiles, find_chains(local1))) if tiles else local1, attention)[1]
     return _priced(apply_plan(joint1, *decisions), device), joint1
 
 
