@@ -153,3 +153,26 @@ def test_gpu_and_host_traced_attention_cost_the_same_flops():
 
 
 aten = torch.ops.aten
+
+
+def test_gpu_flag_names_the_target_its_memory_and_the_train_command():
+    import argparse
+
+    from autosp.errors import AutospError
+    from autosp.remat.cost import GPUS, device_for
+    from autosp.run.config import GPU_NAMES, add_step_flags, step_of
+
+    def step(args, verb="plan"):
+        p = argparse.ArgumentParser()
+        add_step_flags(p, verb)
+        return step_of(p.parse_args(args.split()), verb)
+
+    assert set(GPU_NAMES) == set(GPUS)
+    s = step("--model tiny --sp 2 --gpu h200")
+    assert (s.device, s.target, s.memory_bytes, s.precision) == ("cuda", "h200", 139 * 2**30, "bf16")
+    assert "--gpu h200" in s.train_command() and "--memory 139GiB" in s.train_command()
+    assert step("--model tiny --sp 2 --gpu a100 --memory 40GiB").memory == "40GiB"
+    assert step("--model tiny --device cuda").target == "cuda" and device_for("cuda").attention == "cudnn"
+    with pytest.raises(AutospError, match="--gpu h100 --device cpu.*Fix: --device cuda"):
+        step("--model tiny --gpu h100 --device cpu")
+    assert device_for("a100").attention == "flash" and device_for("mi300x").kind == "cuda"
