@@ -86,7 +86,10 @@ class Tokenizer:
                 data = f.read()
             if name.endswith(".json"):
                 try:
-                    data = json.dumps(json.loads(data), sort_keys=True).encode()
+                    parsed = json.loads(data)
+                    if isinstance(parsed, dict):    # how it was loaded, which save_pretrained writes back, is no id
+                        parsed = {k: v for k, v in parsed.items() if k not in _LOADING_KEYS}
+                    data = json.dumps(parsed, sort_keys=True).encode()
                 except ValueError:       # transformers refuses it when it loads: the bytes identify it until then
                     pass
             h.update(f"\0{name}\0{len(data)}\0".encode())
@@ -102,6 +105,12 @@ class Tokenizer:
             raise AutospError(f"--tokenizer {self.path}: it has no EOS token, which separates the documents. Fix: "
                               "a tokenizer with an eos_token (set tokenizer.eos_token and save it again).")
         return len(tok), int(tok.eos_token_id)
+
+
+# keys transformers' save_pretrained writes into tokenizer_config.json about how the tokenizer was loaded (a copy of
+# a local folder gains is_local and local_files_only): they change no id
+_LOADING_KEYS = frozenset({"is_local", "local_files_only", "name_or_path", "_commit_hash", "cache_dir", "revision",
+                           "force_download", "token", "subfolder", "_from_auto", "trust_remote_code"})
 
 
 def library_versions() -> str:
