@@ -26,8 +26,8 @@
 #     a plain copy, and masked_attention's kernel: packed documents against plain causal at the same length
 #
 #  8. the kernels' scratch at held-out shapes (bench/cuda_workspace.py --parts heldout: batch 2, head dim 96, lengths
-#     off the 128 grid), each formula's error printed; and the main job's plan made from a meta trace (`autosp plan
-#     --gpu`, as on a machine without a GPU) against what step 6 measured
+#     off the 128 grid), each formula's error printed (run after step 4). The main job's plan made from a meta trace
+#     is `autosp plan --model llama-3.2-1b --sp 1 --gpu h200 --seq-len 32768 --memory-budget 0.3` on any machine
 #
 # Steps 3 and 4 exit non-zero (rc 3, "BROKEN PROMISE") when a measured peak is more than 0.1 % above its plan or above
 # the same step planned from a meta trace for this GPU.
@@ -126,6 +126,9 @@ run_step whole_step 240 "$PY" bench/gpu_step.py --seq 32768 --layers 4 --configs
 run_step offload_131k 100 "$PY" bench/gpu_step.py --seq 131072 --layers 2 --out "$LOGS/offload_131k" \
   --configs "eager least,offload least" --gpu "$GPU"
 
+# 8. held-out shapes for the scratch formulas (before the benchmarks: what the plan's promise rests on comes first)
+run_step workspace_heldout 60 "$PY" bench/cuda_workspace.py --parts heldout
+
 # 5. quick autotuning of attention at one length (other lengths use the nearest tuned bucket), then the benchmarks
 if [ -n "${GPU_CHECK_TUNE:-}" ]; then   # 40 s did not finish the backward's search on the first H200 run
   run_step autotune_attention 90 "$PY" bench/autotune.py --kernels fwd,bwd --seqs 16384 --rep-ms 25
@@ -140,11 +143,6 @@ RUNS="$(mktemp -d "$RUNS/autosp_train.XXXX")"
 run_step step 120 "$PY" -m autosp train --model llama-3.2-1b --sp 1 --device cuda --seq-len 32768 \
   --memory-budget 0.3 --steps 2 --out "$RUNS/run"
 rm -rf "$RUNS"
-
-# 8. held-out shapes for the scratch formulas, and the main job planned from a meta trace for this GPU
-run_step workspace_heldout 60 "$PY" bench/cuda_workspace.py --parts heldout
-run_step meta_plan 90 "$PY" -m autosp plan --model llama-3.2-1b --sp 1 --gpu "$GPU" --seq-len 32768 \
-  --memory-budget 0.3
 
 if [ -n "${GPU_CHECK_ALL:-}" ]; then
   run_step a2a 30 "$PY" bench/bench_kernels.py a2a --out "$OUT/a2a_table.md"
@@ -169,7 +167,6 @@ tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
   echo
   [ -f "$OUT/masked_table.md" ] && cat "$OUT/masked_table.md" && echo
   [ -f "$OUT/step_table.md" ] && cat "$OUT/step_table.md" && echo
-  grep -E "predicted peak|^-> " "$LOGS/meta_plan.log" 2>/dev/null | sed 's/^/meta plan: /' && echo
   sed -n '/^Held-out/,$p' "$LOGS/workspace_heldout.log" 2>/dev/null && echo
   [ -f "$OUT/whole_step_table.md" ] && cat "$OUT/whole_step_table.md" && echo
   [ -s "$OUT/offload_131k_table.md" ] && echo "131,072 tokens, 2 layers:" && cat "$OUT/offload_131k_table.md" && echo
