@@ -6,8 +6,8 @@ what is allocated once it returns (dQ, dK, dV). The memory model counts it in
 autosp/remat/liveness.py, `_cpu_flash_backward`; this script calls
 `aten._scaled_dot_product_flash_attention_for_cpu_backward` alone (inputs made before the profiler starts) over
 head dims, lengths, thread counts, dtypes and GQA, and prints one markdown table: measured, modelled, and
-model - measured (positive: the model over-counts, which only wastes memory; negative: an under-prediction), and
-the same for `proposed`, an envelope of half precision's GEMM scratch fitted to these measurements.
+model - measured (positive: the model over-counts, which only wastes memory; negative: an under-prediction). The
+model's half-precision GEMM scratch is an envelope fitted to this script's measurements (see _cpu_flash_backward).
 
 fp32 is exact. In bf16 the kernel's own buffers are exact too; what differs is oneDNN's GEMM scratch, allocated
 and freed around each block's GEMM (sized by the thread count and the block's shapes, not by batch, heads or GQA).
@@ -43,24 +43,8 @@ def _running_peak(prof) -> tuple[int, int]:
     return peak, cur
 
 
-def proposed(e) -> int:
-    """An envelope of the half-precision GEMM scratch fitted to this script's measurements (x86 with AMX, torch
-    2.13; heads of 16 to 256, lengths 32 to 2048, 1 to 4 threads): per thread, the larger of a packed K/V block (key
-    block by head dim, each rounded up to 32) and 640 B per query row, plus 17,540 B. Never under; over by at most
-    32 KiB at one thread for heads up to 128 (43 KiB at 256), by up to 80-102 KiB per thread at 2 to 4 threads,
-    where oneDNN shares some packed blocks among its threads. The rest is `_cpu_flash_backward`'s own."""
-    from autosp.remat.liveness import _cpu_flash_split, _up
-    q, k = e.inputs[1], e.inputs[2]
-    if q.dtype.itemsize >= 4:
-        return _cpu_flash_backward(e)
-    qs, ks = _cpu_flash_split(q.shape[-2], k.shape[-2])
-    item, threads = q.dtype.itemsize, torch.get_num_threads()
-    scratch = max(2 * _up(ks, 32) * _up(q.shape[-1], 32), 640 * qs) + 17540
-    return item * q.numel() + threads * (2 * qs * ks * (4 + item) + scratch) + 4 * qs
-
-
-def measure(b, h, hkv, s, d, dtype, threads, causal=True) -> tuple[int, int, int]:
-    """(measured workspace, the model's, the proposed envelope's) of one backward call."""
+def measure(b, h, hkv, s, d, dtype, threads, causal=True) -> tuple[int, int]:
+    """(measured workspace, the model's) of one backward call."""
     from torch.profiler import ProfilerActivity, profile
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
@@ -82,7 +66,7 @@ def measure(b, h, hkv, s, d, dtype, threads, causal=True) -> tuple[int, int, int
     peak, after = _running_peak(prof)
     assert after == sum(x.nbytes for x in grads), (after, [x.shape for x in grads])
     e = SimpleNamespace(inputs=list(args[:6]))      # what the model reads of an Eqn: inputs' shape, dtype, numel
-    return peak - after, _cpu_flash_backward(e), proposed(e)
+    return peak - after, _cpu_flash_backward(e)
 
 
 def main(argv=None) -> None:
@@ -98,26 +82,24 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     print(f"torch {torch.__version__}, causal {not a.no_causal}, batch {a.batch}, heads {a.heads} "
           f"(GQA: {a.kv_heads} K/V heads)\n")
-    print("| dtype | threads | heads q/kv | L | D | measured B | model B | model - measured | proposed - measured |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| dtype | threads | heads q/kv | L | D | measured B | model B | model - measured |")
+    print("|---|---|---|---|---|---|---|---|")
     worst = {}
     for dtype in (torch.bfloat16, torch.float32):
         for threads in a.threads:
             for hkv in sorted({a.heads, a.kv_heads}, reverse=True):
                 for s in a.lengths:
                     for d in a.dims:
-                        got, model, new = measure(a.batch, a.heads, hkv, s, d, dtype, threads, not a.no_causal)
-                        off, off_new = model - got, new - got
+                        got, model = measure(a.batch, a.heads, hkv, s, d, dtype, threads, not a.no_causal)
+                        off = model - got
                         print(f"| {str(dtype).removeprefix('torch.')} | {threads} | {a.heads}/{hkv} | {s} | {d} | "
-                              f"{got:,} | {model:,} | {off:+,} ({off / max(got, 1):+.1%}) | {off_new:+,} |", flush=True)
+                              f"{got:,} | {model:,} | {off:+,} ({off / max(got, 1):+.1%}) |", flush=True)
                         where = f"threads {threads}, heads {a.heads}/{hkv}, L {s}, D {d}"
-                        for name, o in (("model", off), ("proposed", off_new)):
-                            worst.setdefault((str(dtype).removeprefix("torch."), name), []).append(
-                                (o, o / max(got, 1), where))
+                        worst.setdefault(str(dtype).removeprefix("torch."), []).append((off, off / max(got, 1), where))
     print()
-    for (key, name), rows in worst.items():
+    for key, rows in worst.items():
         lo, hi = min(rows), max(rows)
-        print(f"{key}, {name} - measured: least {lo[0]:+,} B ({lo[1]:+.1%}, {lo[2]}); "
+        print(f"{key}, model - measured: least {lo[0]:+,} B ({lo[1]:+.1%}, {lo[2]}); "
               f"most {hi[0]:+,} B ({hi[1]:+.1%}, {hi[2]})")
 
 

@@ -52,7 +52,7 @@ def _bf16_job(rank, world, s, budgets):
         assert dtypes == {torch.bfloat16}, dtypes           # the step computes attention in bf16
         out.append((b, measured, plan.peak_bytes, in_attention))
     # attention runs head-sharded on the whole sequence: heads / SP query heads, kv_heads / SP K/V heads
-    got, model_bytes, _ = measure(1, heads // world, kv_heads // world, s, hidden // heads, torch.bfloat16,
+    got, model_bytes = measure(1, heads // world, kv_heads // world, s, hidden // heads, torch.bfloat16,
                                   torch.get_num_threads())
     return out, model_bytes - got
 

@@ -66,3 +66,15 @@ def with_autosp_backward(joint):
 def count(joint) -> int:
     """Attention backwards of the joint that autosp's kernel could take."""
     return sum(eligible(e) for e in joint.backward_eqns)
+
+
+def candidates(graph) -> int:
+    """SDPA calls of a forward program whose backward autosp's kernel could take (no mask, no dropout, a dtype and
+    head dim it takes): read off the forward, so that asking needs no joint."""
+    from autosp.kernels.flash import _kernel_unsupported
+    n = 0
+    for e in graph.eqns:
+        if e.op.target is aten.scaled_dot_product_attention.default:
+            b = e.bind_schema()
+            n += b["attn_mask"] is None and not b["dropout_p"] and _kernel_unsupported(b["query"]) is None
+    return n

@@ -210,8 +210,8 @@ def attention_kernels(local, dev, attention=None) -> tuple[str, ...]:
         return (attention,)
     if dev.kind == "cpu":
         return ("sdpa",)
-    from autosp.passes.attention_backward import count
-    return ("sdpa", "autosp") if count(joint_of(local)[1]) else ("sdpa",)
+    from autosp.passes.attention_backward import candidates
+    return ("sdpa", "autosp") if candidates(local) else ("sdpa",)
 
 
 def _plan_now(local, memory_budget, dev, *, host_memory=None, refine: bool = True, tiles=None, attention=None):
