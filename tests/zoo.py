@@ -63,9 +63,21 @@ HF = {
 }
 
 
+# 2026's architectures: recurrences (gated delta rule, lightning attention, Mamba-2's SSD, Mamba-1's scan)
+# interleaved with attention, attention sinks
+HF_2026 = {
+    "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", _base(
+        head_dim=8, num_local_experts=4, num_experts_per_tok=2, block_size=16,
+        layer_types=["linear_attention", "full_attention"])),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", _base(
+        head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], attn_implementation="eager")),
+}
+
+
 def hf_model(name: str, **extra):
     import transformers
-    cfg_cls, model_cls, kw = HF[name]
+    cfg_cls, model_cls, kw = HF[name] if name in HF else HF_2026[name]
     kw = {**kw, **extra}
     cfg = getattr(transformers, cfg_cls)(attn_implementation=kw.pop("attn_implementation", "sdpa"), **kw)
     torch.manual_seed(0)

@@ -75,6 +75,7 @@ def _grow(graph, s_idx, producer, readers, outputs, pos, free) -> set[int] | Non
                 continue
             e = graph.eqns[r]
             if not (e.op.has(Tag.ELEMENTWISE) or e.op.name in _INNER or _counts_are_offsets(graph, r, readers)
+                    or _along_columns(e)
                     or e.op.name == "cumsum" and _is_count(graph, e.inputs[0], producer)):
                 return None
             inner.add(r)
@@ -104,6 +105,13 @@ def _grow(graph, s_idx, producer, readers, outputs, pos, free) -> set[int] | Non
                for j, x in enumerate(e.inputs)):
             return None
     return inner
+
+
+def _along_columns(e: Eqn) -> bool:
+    """A slice of each row's columns (gpt-oss's interleaved gate and up halves): row by row."""
+    if e.op.name not in ("slice", "narrow") or not e.inputs or e.inputs[0].ndim < 2:
+        return False
+    return e.bind_schema().get("dim", 0) % e.inputs[0].ndim != 0
 
 
 def _closers(graph, perm, n, producer, readers) -> set[int]:

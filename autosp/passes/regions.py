@@ -23,6 +23,9 @@ _INNER = {"softmax", "_softmax", "dropout", "native_dropout", "to.dtype", "to.de
           "_to_copy.default", "type_as.default", "clone", "contiguous", "alias", "detach", "where.self",
           "masked_fill.Scalar", "masked_fill.Tensor"}
 
+# ops along the keys of each query's row (dim -1 only)
+_ROW_OPS = {"cat", "max", "amax", "logsumexp", "slice", "narrow", "sum"}
+
 
 @dataclass(frozen=True, slots=True)
 class AttentionRegion:
@@ -38,6 +41,8 @@ class AttentionRegion:
 
 
 def _swaps_last_two(e: Eqn) -> bool:
+    if not e.inputs or not e.outputs:             # a fresh buffer (a recurrence's zero state)
+        return False
     x, out = e.inputs[0], e.outputs[0]
     if x.ndim < 2 or out.shape != x.shape[:-2] + (x.shape[-1], x.shape[-2]):
         return False
@@ -83,8 +88,8 @@ def find_regions(graph: Graph) -> list[AttentionRegion]:
                         break
                     b_idx = r
                     continue
-                shape_kept = all(o.ndim == 0 or o.shape[-2:] == (length, length) for o in e.outputs if o.dtype)
-                if (e.op.has(Tag.ELEMENTWISE) or e.op.name in _INNER) and shape_kept:
+                shape_kept = all(o.ndim == 0 or o.ndim >= 2 and o.shape[-2] == length for o in e.outputs if o.dtype)
+                if (e.op.has(Tag.ELEMENTWISE) or e.op.name in _INNER) and shape_kept or _along_keys(e, length):
                     inner.add(r)
                     frontier.extend(o.name for o in e.outputs)
                 else:
@@ -99,6 +104,20 @@ def find_regions(graph: Graph) -> list[AttentionRegion]:
         regions.append(AttentionRegion(x, k, v, out,
                                        frozenset(inner | {t_idx, b_idx}), b_idx))
     return regions
+
+
+def _along_keys(e: Eqn, length: int) -> bool:
+    """An op over each query's row of scores alone: a sink logit joined to the keys (gpt-oss), the row's
+    max taken off, the sink column dropped again -- every output keeps the queries in dim -2."""
+    if e.op.name not in _ROW_OPS or not e.outputs or e.inputs[0].ndim < 2:
+        return False
+    x = e.inputs[0] if e.op.name != "cat" else None
+    if any(o.dtype is not None and (o.ndim < 2 or o.shape[-2] != length) for o in e.outputs):
+        return False
+    dims = e.bind_schema().get("dim")
+    dims = dims if isinstance(dims, (list, tuple)) else [dims]
+    ndim = e.outputs[0].ndim
+    return all(isinstance(d, int) and d % ndim == ndim - 1 for d in dims) and (x is None or x.shape[-2] == length)
 
 
 def _names(graph: Graph, idx) -> set[str]:

@@ -23,6 +23,7 @@ from autosp.passes.dispatch import dispatch_rule, find_dispatch_regions
 from autosp.passes.seqdims import SeqPos, attention_length, infer_seq_positions
 from autosp.passes.shard_ctx import MeshInfo, ShardCtx
 from autosp.passes.regions import find_regions
+from autosp.passes.seqregions import find_seq_regions, seq_region_rule, token_ids
 from autosp.passes.shard_rules import region_rule, replicate, rule_for
 
 aten = torch.ops.aten
@@ -96,6 +97,13 @@ def shard_graph(graph: Graph, mesh: MeshInfo, *, in_specs=None, keep_sharded=(),
     params = params or {}
     seeds = spec_seeds(graph, in_specs)
     regions = find_regions(graph)
+    length = attention_length(graph, [])
+    ids = token_ids(graph)
+    if not length and ids is not None and not seeds:
+        length = ids.shape[-1]      # no attention: the token ids' layout (b s) names the sequence
+        seeds[ids.name] = SeqPos(ids.ndim - 1)
+    if length:                      # square matmuls over blocks of a recurrence are not attention
+        regions = [r for r in regions if r.q.shape[-2] == length]
     length = attention_length(graph, regions)
     if not length:
         lengths = {v.shape[p.dim] for v in graph.inputs if (p := seeds.get(v.name)) is not None}
@@ -111,7 +119,11 @@ def shard_graph(graph: Graph, mesh: MeshInfo, *, in_specs=None, keep_sharded=(),
     chunk = -(-length // mesh.sp_size)
     free = input_free(graph)
     dispatch = {k: r for r in find_dispatch_regions(graph, pos, free) for k in r.eqns}
-    ctx = ShardCtx(mesh=mesh, chunk=chunk, pos=pos, heavy=activations(graph), graph=graph,
+    heavy = activations(graph)
+    in_region = {k: r for r in regions for k in r.eqns}
+    in_seq = {k: r for r in find_seq_regions(graph, pos, heavy, length, mesh.sp_size, set(in_region))
+              for k in r.eqns}
+    ctx = ShardCtx(mesh=mesh, chunk=chunk, pos=pos, heavy=heavy, graph=graph,
                    input_free=free,
                    producer={o.name: e for e in graph.eqns for o in e.outputs})
 
@@ -146,9 +158,11 @@ def shard_graph(graph: Graph, mesh: MeshInfo, *, in_specs=None, keep_sharded=(),
             ctx.rep[v.name] = ctx.env[v.name]
             ctx.env[v.name] = ctx.shard(ctx.env[v.name], v)
 
-    in_region = {k: r for r in regions for k in r.eqns}
     for k, e in enumerate(graph.eqns):
         try:
+            if k in in_seq:                          # a recurrence or scan: this rank's heads, the whole sequence
+                seq_region_rule(ctx, e, in_seq[k])
+                continue
             if k in in_region:
                 if k == in_region[k].last:           # emitted whole, where all its inputs exist
                     region_rule(ctx, graph, in_region[k])

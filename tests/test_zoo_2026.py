@@ -1,0 +1,78 @@
+"""2026's architectures shard exactly: recurrences along the sequence run head-parallel, attention sinks
+and eager attention stay Ulysses regions, and nothing gathers the sequence.
+
+Tiny random configs of transformers' own classes (tests/zoo.py HF_2026), their torch code paths, fp32:
+MiniMax (lightning attention: blocks of the sequence with a state carried between them, interleaved with
+full attention, MoE), gpt-oss (eager attention with a sink logit per head, sliding windows, MoE with
+biases). The loss and every grad of every rank against the single device (rtol 1e-5), at sp 2 with a
+length it does not divide, sp 4 with one it does, and a 2 x 2 dp x sp mesh; each layer has its
+all-to-alls (attention: one in, one out; a recurrence: one per entry, one per exit) and no all-gather.
+"""
+import pytest
+import torch
+
+from tests.dist import run_ranks
+from tests.models import assert_every_rank
+
+# name -> all-to-alls a rank's program holds (both layers)
+EXPECTED = {"minimax": 3 + 1 + 2, "gpt_oss": 2 + 2}
+
+
+def _job(rank, world, names, s, dp):
+    import autosp
+    from torch.distributed.device_mesh import init_device_mesh
+    from tests.models import batch, rank_errors
+    from tests.zoo import build
+    shape, dims = ((dp, world // dp), ("dp", "sp")) if dp > 1 else ((world,), ("sp",))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+    report = {}
+    for name in names:
+        model, fn = build(name)
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        ids, labels = batch(2 * dp, s, 64, seed=1, pad=3)
+        if dp > 1:      # each dp rank its own rows; the reference is the mean over the whole batch
+            r = mesh.get_local_rank("dp")
+            mine = slice(2 * r, 2 * r + 2)
+        else:
+            mine = slice(None)
+        p = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+        refs = [fn(p, ids[2 * i:2 * i + 2], labels[2 * i:2 * i + 2]) for i in range(dp)]
+        ref = sum(refs) / dp
+        ref_grads = dict(zip(params, torch.autograd.grad(ref, list(p.values()), allow_unused=True)))
+        vg = autosp.value_and_grad(fn, mesh)
+        loss, grads = vg(params, ids[mine], labels[mine])
+        (local, *_), = vg.sharded._cache.values()
+        report[name] = (rank_errors(loss, grads, ref.detach(), ref_grads),
+                        sum(e.op.name == "all_to_all" for e in local.eqns),
+                        sum(e.op.name == "all_gather_seq" for e in local.eqns))
+    return report
+
+
+@pytest.mark.parametrize("world,s,dp", [(2, 45, 1), (4, 50, 1), (4, 45, 2)], ids=["sp2-odd", "sp4", "dp2xsp2"])
+def test_2026_architectures_shard_exactly(world, s, dp):
+    names = list(EXPECTED)
+    reports = run_ranks(_job, world, names, s, dp, timeout=1200)
+    assert_every_rank([{n: r[0] for n, r in report.items()} for report in reports])
+    bad = {(rank, n): r[1:] for rank, report in enumerate(reports) for n, r in report.items()
+           if r[1:] != (EXPECTED[n], 0)}
+    assert not bad, f"(all-to-alls, sequence gathers) against {EXPECTED}: {bad}"
+
+
+def test_recurrence_is_one_region_per_layer():
+    from autosp.passes.seqdims import SeqPos, infer_seq_positions
+    from autosp.passes.seqregions import find_seq_regions
+    from autosp.passes.shard import activations
+    from autosp.trace import trace
+    from tests.models import batch
+    from tests.zoo import build
+    model, fn = build("minimax", num_hidden_layers=2, layer_types=["linear_attention", "linear_attention"])
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    ids, labels = batch(1, 40, 64, seed=1)
+    graph = trace(fn, params, ids, labels)
+    pos = infer_seq_positions(graph, {graph.inputs[len(params)].name: SeqPos(1)})     # the token ids: b s
+    regions = find_seq_regions(graph, pos, activations(graph), 40, 2)
+    assert len(regions) == 2
+    for r in regions:
+        assert len(r.entries) == 3 and len(r.exits) == 1 and r.heads == 4      # q, k, v in; the blocks joined out
+        assert "head-parallel region" in r.describe(graph) and "matmul" in r.describe(graph)
+    assert find_seq_regions(graph, pos, activations(graph), 40, 1) == []       # one rank: nothing to do
