@@ -73,7 +73,7 @@ def _norm(d: int, n: int) -> int:
     return d + n if d < 0 else d
 
 
-def _mixes(e: Eqn, x: Var, p: SeqPos, length: int) -> bool:
+def _mixes(e: Eqn, x: Var, p: SeqPos, pos: dict) -> bool:
     """Does `e` combine or move positions of x's sequence (x whole, at p)?"""
     name = e.op.name
     sd = p.dim
@@ -93,10 +93,15 @@ def _mixes(e: Eqn, x: Var, p: SeqPos, length: int) -> bool:
     if name in _TRI:
         return sd >= x.ndim - 2
     if name in _MATMUL:
+        # the sequence contracted (k^T v), or a sequence on both sides (q k^T): positions meet
         a, b = e.inputs[0], e.inputs[1]
-        if x is a:
-            return sd == a.ndim - 1 or (b.ndim >= 2 and b.shape[-1] == length and b is not a)
-        return b.ndim >= 2 and sd == b.ndim - 2 or (b.ndim >= 2 and sd == b.ndim - 1)
+        pa, pb = pos.get(a.name), pos.get(b.name)
+        if b.ndim < 2 or a.ndim < 2:
+            return False
+        rows = pa is not None and pa.dim == a.ndim - 2
+        cols = pb is not None and pb.dim == b.ndim - 1
+        return (pa is not None and pa.dim == a.ndim - 1) or (pb is not None and pb.dim == b.ndim - 2) \
+            or (rows and cols)
     if name in _RESHAPE:
         out = e.outputs[0]
         return p.outer == 1 and p.inner == 1 and reshape_pos(x.shape, out.shape, p) is None
@@ -130,20 +135,27 @@ def find_seq_regions(graph: Graph, pos: dict[str, SeqPos], heavy: set[str], leng
         if k in skip or e.op.name == "attention":
             continue
         for x in e.inputs:
-            if x.name in heavy and whole(x) and _mixes(e, x, pos[x.name], length):
+            if x.name in heavy and whole(x) and _mixes(e, x, pos[x.name], pos):
                 seeds.append(k)
                 break
     ids = token_ids(graph)
     batch = infer_seq_positions(graph, {ids.name: SeqPos(0)}) if ids is not None and ids.ndim == 2 else {}
-    claimed: set[int] = set()
-    regions = []
+    grown: list[set[int]] = []
+    spoilt: set[int] = set()
     for seed in seeds:
-        if seed in claimed:
+        if any(seed in g for g in grown) or seed in spoilt:
             continue
         eqns = _grow(graph, seed, producer, readers, outputs, whole, heavy, pos, skip)
-        claimed |= eqns or {seed}
         if eqns is None:
+            spoilt.add(seed)
             continue
+        # growth from another seed of the same recurrence meets this one: one region
+        for g in [g for g in grown if g & eqns]:
+            grown.remove(g)
+            eqns |= g
+        grown.append(eqns)
+    regions = []
+    for eqns in sorted(grown, key=min):
         region = _heads(graph, eqns, producer, readers, outputs, whole, heavy, batch, pos, ranks)
         if region is not None:
             regions.append(region)
@@ -263,8 +275,9 @@ def _independent(graph, order, head) -> bool:
             if o.dtype is not None and o.dtype.is_floating_point and o.ndim and o.name not in head:
                 return False
         if e.op.name not in _MOVES:
-            x = ins[0]
-            if any(_norm(d, x.ndim) == head[x.name].dim for d in _dims(e) if isinstance(d, int)):
+            # stack's dim names a dim of its output; every other op's, a dim of its input
+            x = e.outputs[0] if e.op.name == "stack" else ins[0]
+            if x.name in head and any(_norm(d, x.ndim) == head[x.name].dim for d in _dims(e) if isinstance(d, int)):
                 return False
         if e.op.name in ("index", "index_put", "_index_put_impl", "scatter", "gather", "index_select"):
             return False
