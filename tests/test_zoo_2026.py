@@ -76,3 +76,22 @@ def test_recurrence_is_one_region_per_layer():
         assert len(r.entries) == 3 and len(r.exits) == 1 and r.heads == 4      # q, k, v in; the blocks joined out
         assert "head-parallel region" in r.describe(graph) and "matmul" in r.describe(graph)
     assert find_seq_regions(graph, pos, activations(graph), 40, 1) == []       # one rank: nothing to do
+
+
+def test_explain_names_the_recurrences():
+    from tests.dist import run_ranks
+    out = run_ranks(_explain_job, 2)[0]
+    assert "# head-parallel regions: 0 attention written out, 1 recurrences or scans along the sequence" in out
+    assert "head-parallel region of" in out and "over 4 heads" in out and "3 all-to-all(s) in, 1 out" in out
+
+
+def _explain_job(rank, world):
+    import autosp
+    from torch.distributed.device_mesh import init_device_mesh
+    from tests.models import batch
+    from tests.zoo import build
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
+    model, fn = build("minimax")
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    ids, labels = batch(1, 40, 64, seed=1)
+    return autosp.explain(fn, mesh, params, ids, labels)

@@ -10,6 +10,8 @@
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from autosp import collectives as C
@@ -88,13 +90,29 @@ def spec_seeds(graph: Graph, in_specs) -> dict[str, SeqPos | None]:
     return seeds
 
 
-def shard_graph(graph: Graph, mesh: MeshInfo, *, in_specs=None, keep_sharded=(), params=None) -> Graph:
-    """Rewrite a global forward graph into the per-rank graph (local shapes, collectives).
+@dataclass(frozen=True)
+class Analysis:
+    """What the sharding pass reads off a global graph before it rewrites anything."""
+    length: int                      # the sequence length
+    pos: dict                        # var name -> its sequence dim (seqdims.SeqPos)
+    heavy: set                       # activations
+    free: set                        # input-free values
+    regions: list                    # attention written out (regions.AttentionRegion)
+    recurrences: list                # other head-parallel regions (seqregions.SeqRegion)
+    dispatch: list                   # MoE token dispatch (dispatch.DispatchRegion)
 
-    `params`: input name -> autosp.params.ParamShard for parameters split on dim 0 (FSDP2's
-    layout): the per-rank graph takes the shard and gathers it (all_gather_param), whose backward
-    reduce-scatters the gradient; schedule_gathers then issues each gather a layer ahead of use."""
-    params = params or {}
+    def summary(self, graph: Graph) -> str:
+        """One line per head-parallel region: what explain prints."""
+        lines = [f"# head-parallel regions: {len(self.regions)} attention written out, "
+                 f"{len(self.recurrences)} recurrences or scans along the sequence"]
+        for r in self.recurrences:
+            src = graph.eqns[min(r.eqns)].source or "<no source line>"
+            lines.append(f"#   {r.describe(graph)}: {len(r.entries)} all-to-all(s) in, {len(r.exits)} out, at {src}")
+        return "\n".join(lines)
+
+
+def analyse(graph: Graph, mesh: MeshInfo, in_specs=None) -> Analysis:
+    """The sequence length and dims, the activations, and the regions each rank runs whole."""
     seeds = spec_seeds(graph, in_specs)
     regions = find_regions(graph)
     length = attention_length(graph, [])
@@ -116,13 +134,27 @@ def shard_graph(graph: Graph, mesh: MeshInfo, *, in_specs=None, keep_sharded=(),
     pos = infer_seq_positions(graph, {n: p for n, p in seeds.items() if p is not None}, regions)
     for n in blocked:
         pos.pop(n, None)
-    chunk = -(-length // mesh.sp_size)
     free = input_free(graph)
-    dispatch = {k: r for r in find_dispatch_regions(graph, pos, free) for k in r.eqns}
     heavy = activations(graph)
-    in_region = {k: r for r in regions for k in r.eqns}
-    in_seq = {k: r for r in find_seq_regions(graph, pos, heavy, length, mesh.sp_size, set(in_region))
-              for k in r.eqns}
+    claimed = {k for r in regions for k in r.eqns}
+    return Analysis(length, pos, heavy, free, regions,
+                    find_seq_regions(graph, pos, heavy, length, mesh.sp_size, claimed),
+                    find_dispatch_regions(graph, pos, free))
+
+
+def shard_graph(graph: Graph, mesh: MeshInfo, *, in_specs=None, keep_sharded=(), params=None) -> Graph:
+    """Rewrite a global forward graph into the per-rank graph (local shapes, collectives).
+
+    `params`: input name -> autosp.params.ParamShard for parameters split on dim 0 (FSDP2's
+    layout): the per-rank graph takes the shard and gathers it (all_gather_param), whose backward
+    reduce-scatters the gradient; schedule_gathers then issues each gather a layer ahead of use."""
+    params = params or {}
+    found = analyse(graph, mesh, in_specs)
+    pos, heavy, free, length = found.pos, found.heavy, found.free, found.length
+    chunk = -(-length // mesh.sp_size)
+    dispatch = {k: r for r in found.dispatch for k in r.eqns}
+    in_region = {k: r for r in found.regions for k in r.eqns}
+    in_seq = {k: r for r in found.recurrences for k in r.eqns}
     ctx = ShardCtx(mesh=mesh, chunk=chunk, pos=pos, heavy=heavy, graph=graph,
                    input_free=free,
                    producer={o.name: e for e in graph.eqns for o in e.outputs})
