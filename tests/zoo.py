@@ -201,3 +201,4 @@ def case(name: str, s: int):
 
 
 NAMES = ["meta_llama"] + list(HF)
+NAMES_2026 = list(HF_2026)
