@@ -295,6 +295,24 @@ def links_repeat_interleave(e: Eqn) -> list[Link]:
     return [(x, out, fwd, bwd)]
 
 
+def links_repeat(e: Eqn) -> list[Link]:
+    """x.repeat(sizes): the input's dims align with the output's last ones, each tiled sizes[j] times,
+    so a sequence there gains an outer factor (the tiles come first); new leading dims link nothing."""
+    x, out = e.inputs[0], e.outputs[0]
+    sizes = list(_arg(e, 1, "repeats"))
+    off = out.ndim - x.ndim
+
+    def fwd(p: SeqPos):
+        return SeqPos(p.dim + off, p.outer * sizes[p.dim + off], p.inner)
+
+    def bwd(p: SeqPos):
+        r = sizes[p.dim]
+        if p.dim < off or p.outer % r:
+            return None
+        return SeqPos(p.dim - off, p.outer // r, p.inner)
+    return [(x, out, fwd, bwd)]
+
+
 def links_index_tensor(e: Eqn) -> list[Link]:
     """x[..., idx, ...] with one index tensor (or one adjacent block): the dims before it keep their place,
     the index's dims take its place, the dims after it follow."""
@@ -337,6 +355,11 @@ _SAME_NAMES = {"contiguous", "alias", "clone", "detach", "lift_fresh_copy", "to.
                "masked_fill.Tensor", "where.self", "fill_.Scalar", "zeros_like", "ones_like", "full_like",
                "empty_like", "rand_like", "randn_like", "bernoulli"}
 
+# elementwise ops aten does not tag pointwise: the bool and integer operators masks are built with
+# (`&`, `|` and chunk ids `pos // chunk`); the tagged ones (bitwise_*, logical_*) take the default
+ELEMENTWISE_UNTAGGED = frozenset({"__and__.Tensor", "__and__.Scalar", "__or__.Tensor", "__or__.Scalar",
+                                  "floor_divide.default", "floor_divide.Scalar"})
+
 LINK_RULES: dict[str, Callable[[Eqn], list[Link]]] = {
     "linear": links_linear, "matmul": links_matmul, "embedding": links_embedding,
     "view": links_reshape, "reshape": links_reshape, "_unsafe_view": links_reshape, "flatten": links_reshape,
@@ -358,6 +381,9 @@ LINK_RULES: dict[str, Callable[[Eqn], list[Link]]] = {
 for _n in _SAME_NAMES:
     LINK_RULES[_n] = links_index if _n in {"slice", "narrow", "pad", "cumsum", "roll", "flip"} else links_same
 LINK_RULES["repeat_interleave"] = links_repeat_interleave
+LINK_RULES["repeat"] = links_repeat
+for _n in ELEMENTWISE_UNTAGGED:
+    LINK_RULES[_n] = links_same
 
 
 def links_for(e: Eqn) -> list[Link]:
