@@ -12,6 +12,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from autosp.errors import ShardError
 from autosp.ir.core import Eqn, Graph, Var
 from autosp.ir.ops import Tag
@@ -431,6 +433,35 @@ def infer_seq_positions(graph: Graph, seeds: dict[str, SeqPos] | None = None, re
             pos[other.name] = q
             work.append(other.name)
     return pos
+
+
+def token_id_seeds(graph: Graph) -> dict[str, SeqPos]:
+    """Without attention to seed from: the token ids. An integer graph input of shape [b, s] or [s] that
+    reaches an embedding's indices (through casts, copies and same-shape views) is the ids, its last dim
+    the sequence. Labels and position ids of the same shape then follow through the ordinary links."""
+    producer = {o.name: e for e in graph.eqns for o in e.outputs}
+    inputs = {v.name: v for v in graph.inputs}
+    seeds = {}
+    for e in graph.eqns:
+        if e.op.name != "embedding" or len(e.inputs) < 2:
+            continue
+        v = e.inputs[1]
+        while v.name not in inputs:
+            p = producer.get(v.name)
+            srcs = [x for x in p.inputs if x.dtype is not None] if p is not None else []
+            if len(srcs) != 1 or srcs[0].shape != v.shape or p.op.name not in _ID_PATH:
+                break
+            v = srcs[0]
+        ids = inputs.get(v.name)
+        if (ids is not None and ids.dtype is not None and not ids.dtype.is_floating_point
+                and not ids.dtype.is_complex and ids.dtype != torch.bool and ids.ndim in (1, 2) and ids.shape[-1] > 1):
+            seeds[ids.name] = SeqPos(ids.ndim - 1)
+    return seeds
+
+
+# what may stand between the token ids and the embedding: the same values, perhaps another dtype
+_ID_PATH = {"to.dtype", "to.device", "to.dtype_layout", "to.other", "_to_copy.default", "type_as.default",
+            "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "view", "reshape", "_unsafe_view"}
 
 
 def attention_length(graph: Graph, regions=()) -> int:
