@@ -189,3 +189,33 @@ def case(name: str, s: int):
 
 
 NAMES = ["meta_llama"] + list(HF)
+
+
+# ---------------------------------------------------------------- issue 44's architectures (tests/test_seq_inference.py)
+# Kept out of HF, which the zoo test runs whole.
+
+HF_2026 = {
+    # chunked attention (layer 0, chunks of 8 cross every shard edge), a NoPE full-attention layer with
+    # temperature tuning that varies along the sequence (floor_scale 16), top-1 MoE on layer 1
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", _base(
+        head_dim=8, intermediate_size_mlp=64, attention_chunk_size=8, no_rope_layers=[1, 0],
+        interleave_moe_layer_step=2, num_local_experts=4, num_experts_per_tok=1, floor_scale=16)),
+}
+
+
+def case_2026(name: str, s: int):
+    """case() for an HF_2026 entry: (model, loss_fn, params, (ids, labels), loss, grads by name)."""
+    import transformers
+    from tests.models import batch
+    cfg_cls, model_cls, kw = HF_2026[name]
+    kw = dict(kw)
+    cfg = getattr(transformers, cfg_cls)(attn_implementation=kw.pop("attn_implementation", "sdpa"), **kw)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(cfg).float().train()
+    fn = hf_loss(model)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    ids, labels = batch(2, s, VOCAB, seed=1, pad=3)
+    p = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    ref = fn(p, ids, labels)
+    ref_grads = dict(zip(params, torch.autograd.grad(ref, list(p.values()), allow_unused=True)))
+    return model, fn, params, (ids, labels), ref, ref_grads
