@@ -191,7 +191,7 @@ def case(name: str, s: int):
 NAMES = ["meta_llama"] + list(HF)
 
 
-# ---------------------------------------------------------------- issue 44's architectures (tests/test_seq_inference.py)
+# ---------------------------------------------------------------- issue 44's architectures (test_seq_inference.py)
 # Kept out of HF, which the zoo test runs whole.
 
 HF_2026 = {

@@ -149,7 +149,8 @@ class _Builder:
             return None if x is None else f"({x} // {_literal(den)})"
         if name in ("add", "sub") and self.const_value(v) is None and len(args) == 2 and kwargs.get("alpha", 1) == 1:
             x, y = args
-            if not (isinstance(y, Var) and self.trailing(y) == (1, 1) and isinstance(x, Var) and self.trailing(x) != (1, 1)):
+            if not (isinstance(x, Var) and isinstance(y, Var) and self.trailing(x) != (1, 1)
+                    and self.trailing(y) == (1, 1)):
                 return None                             # a vector shifted by a per-batch scalar, nothing else
             x, y = self.expr(x), self.expr(y)
             return None if x is None or y is None else f"({x} {_BIN[name]} {y})"
