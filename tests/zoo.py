@@ -72,6 +72,11 @@ HF_2026 = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", _base(
         head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
         layer_types=["sliding_attention", "full_attention"], attn_implementation="eager")),
+    # chunked attention (layer 0, chunks of 8 cross every shard edge), a NoPE full-attention layer with
+    # temperature tuning that varies along the sequence (floor_scale 16), top-1 MoE on layer 1
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", _base(
+        head_dim=8, intermediate_size_mlp=64, attention_chunk_size=8, no_rope_layers=[1, 0],
+        interleave_moe_layer_step=2, num_local_experts=4, num_experts_per_tok=1, floor_scale=16)),
 }
 
 
@@ -202,3 +207,6 @@ def case(name: str, s: int):
 
 NAMES = ["meta_llama"] + list(HF)
 NAMES_2026 = list(HF_2026)
+
+
+case_2026 = case        # an HF_2026 entry's step: hf_model reads both tables

@@ -12,7 +12,8 @@ over these names:
   xN       leaf N with neither dim: leaves[N] is [B_i, 1, 1];
 with B_i either 1 or the batch. Literals: ints, floats (Python repr), True, False, inf.
 Operators: == != < <= > >= (one per comparison: chains are refused, since `a <= b & c == d`
-parses as a chain), & | ~ (on bools), + - * and unary - (on numbers), parentheses.
+parses as a chain), & | ~ (on bools), + - * // and unary - (on numbers; // floors, as torch's
+floor_divide: chunk ids `q // 8 == k // 8`; a literal 0 divisor is refused), parentheses.
 Functions: where(cond, a, b), cast(x, "float32") (any torch dtype name).
 
 The value is a bool (True: the query may attend the key) or a float (added to the scaled
@@ -36,13 +37,13 @@ import torch
 from autosp.errors import AutospError
 
 ALLOWED = ("q, k; leaves xN[q], xN[k], xN; literals int, float, True, False, inf; "
-           "== != < <= > >= & | ~ + - * and unary -; parentheses; where(cond, a, b), cast(x, \"dtype\")")
+           "== != < <= > >= & | ~ + - * // and unary -; parentheses; where(cond, a, b), cast(x, \"dtype\")")
 
 _LEAF = re.compile(r"x(0|[1-9][0-9]*)\Z")
 _KINDS = ("bool", "int", "float")      # promotion order, as torch's categories
 _COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
             ast.Gt: operator.gt, ast.GtE: operator.ge}
-_ARITH = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+_ARITH = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
 _LOGIC = {ast.BitAnd: operator.and_, ast.BitOr: operator.or_}
 _INT64 = (-2 ** 63, 2 ** 63 - 1)
 
@@ -203,6 +204,8 @@ class _Compiler:
             return (lambda blk: fn(ea(blk), eb(blk))), kind
         if op in _ARITH:
             fn = _ARITH[op]
+            if op is ast.FloorDiv and isinstance(node.right, ast.Constant) and node.right.value == 0:
+                raise self.fail(node, "divides by the literal 0")
 
             def kind(lk):
                 kinds = (ka(lk), kb(lk))

@@ -10,7 +10,8 @@ becomes `masked_attention(q, k, v, [pos_q, pos_k, doc_q, doc_k], "(x1[k] <= x0[q
 (the grammar is autosp/kernels/maskfn.py). A value is *pairwise* when its last two dims are both
 the attention length L; every pairwise value of the mask must come from elementwise ops, casts,
 broadcasting views or constants (tril of ones, a constant fill) over *leaves*: values whose last
-two dims are (L, 1), (1, L) or (1, 1), with no head dim. Leaves are O(B * L): the sharding pass
+two dims are (L, 1), (1, L) or (1, 1), with no head dim (chunk ids, `(pos - left_pad) // chunk`, stay
+arithmetic over the positions and a per-row scalar). Leaves are O(B * L): the sharding pass
 computes them replicated, and the kernels evaluate the expression block by block. Anything else
 (a mask read from the input, gathered, or per head) returns None, and the mask stays a tensor.
 """
@@ -22,10 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from autosp.ir.core import Eqn, Graph, Var
+from autosp.ir.ops import Tag
 
 _CMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 _BIN = {"__and__": "&", "bitwise_and": "&", "logical_and": "&", "__or__": "|", "bitwise_or": "|",
-        "logical_or": "|", "add": "+", "sub": "-", "mul": "*"}
+        "logical_or": "|", "add": "+", "sub": "-", "mul": "*", "floor_divide": "//"}
 _NOT = {"bitwise_not", "logical_not"}
 _SAME = {"expand", "unsqueeze", "squeeze", "view", "reshape", "_unsafe_view", "alias", "clone", "contiguous",
          "detach", "lift_fresh_copy", "expand_as", "view_as", "reshape_as"}
@@ -70,6 +72,7 @@ class _Builder:
         self.leaves: list[Var] = []
         self.sides: list[str] = []
         self.memo: dict[str, str] = {}
+        self._same_as: dict = {}
 
     def trailing(self, v: Var) -> tuple[int, int]:
         shape = (1, 1) + tuple(v.shape)
@@ -104,6 +107,9 @@ class _Builder:
                     return lit
         side = "q" if a == self.length else "k" if b == self.length else ""
         if side:
+            shown = self._attempt(lambda: self._chunk_ids(v))
+            if shown is not None:
+                return shown
             c = self.const_value(v)
             if c is not None and c.dtype in (torch.int64, torch.int32):
                 ar = torch.arange(self.length, dtype=c.dtype).view((self.length, 1) if side == "q" else (1, -1))
@@ -111,10 +117,53 @@ class _Builder:
                 if bool((shift == shift.reshape(-1)[0]).all()):   # the position itself, or shifted (windows)
                     d = int(shift.reshape(-1)[0])
                     return side if d == 0 else f"({side} {'+' if d > 0 else '-'} {abs(d)})"
-        self.leaves.append(v)
-        self.sides.append(side)
-        i = len(self.leaves) - 1
+        same = self._same_as.get(self._key(v))       # the same value computed twice (once per side of HF's mask)
+        if same is not None and self.sides[same] == side:
+            i = same
+        else:
+            self.leaves.append(v)
+            self.sides.append(side)
+            i = len(self.leaves) - 1
+            self._same_as.setdefault(self._key(v), i)
         return f"x{i}[{side}]" if side else f"x{i}"
+
+    def _key(self, v: Var):
+        e = self.producer.get(v.name)
+        if e is None or e.op.has(Tag.RANDOM):
+            return v.name
+        return (e.op.target, repr(e.var_args()), v.shape, v.dtype)
+
+    def _chunk_ids(self, v: Var) -> str | None:
+        """A per-query or per-key vector kept as arithmetic where it is chunk ids (Llama 4's chunked
+        attention: `(pos - left_padding) // chunk`), so the mask reads `((k - x0) // 8) == ((q - x0) // 8)`
+        rather than two opaque leaves: a division by a literal, of a position shifted by a per-batch scalar."""
+        e = self.producer.get(v.name)
+        if e is None:
+            return None
+        name, (args, kwargs) = _packet(e), e.var_args()
+        if name == "floor_divide":
+            num, den = args[:2]
+            if not isinstance(den, (int, float)) or isinstance(den, bool) or not den:
+                return None
+            x = self.expr(num)
+            return None if x is None else f"({x} // {_literal(den)})"
+        if name in ("add", "sub") and self.const_value(v) is None and len(args) == 2 and kwargs.get("alpha", 1) == 1:
+            x, y = args
+            if not (isinstance(x, Var) and isinstance(y, Var) and self.trailing(x) != (1, 1)
+                    and self.trailing(y) == (1, 1)):
+                return None                             # a vector shifted by a per-batch scalar, nothing else
+            x, y = self.expr(x), self.expr(y)
+            return None if x is None or y is None else f"({x} {_BIN[name]} {y})"
+        return None
+
+    def _attempt(self, build):
+        """build() or None; a failed attempt leaves no leaves behind."""
+        n, memo, same = len(self.leaves), dict(self.memo), dict(self._same_as)
+        out = build()
+        if out is None:
+            del self.leaves[n:], self.sides[n:]
+            self.memo, self._same_as = memo, same
+        return out
 
     def _constant_pair(self, v: Var) -> str | None:
         c = self.const_value(v)

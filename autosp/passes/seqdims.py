@@ -12,6 +12,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from autosp.errors import ShardError
 from autosp.ir.core import Eqn, Graph, Var
 from autosp.ir.ops import Tag
@@ -295,6 +297,24 @@ def links_repeat_interleave(e: Eqn) -> list[Link]:
     return [(x, out, fwd, bwd)]
 
 
+def links_repeat(e: Eqn) -> list[Link]:
+    """x.repeat(sizes): the input's dims align with the output's last ones, each tiled sizes[j] times,
+    so a sequence there gains an outer factor (the tiles come first); new leading dims link nothing."""
+    x, out = e.inputs[0], e.outputs[0]
+    sizes = list(_arg(e, 1, "repeats"))
+    off = out.ndim - x.ndim
+
+    def fwd(p: SeqPos):
+        return SeqPos(p.dim + off, p.outer * sizes[p.dim + off], p.inner)
+
+    def bwd(p: SeqPos):
+        r = sizes[p.dim]
+        if p.dim < off or p.outer % r:
+            return None
+        return SeqPos(p.dim - off, p.outer // r, p.inner)
+    return [(x, out, fwd, bwd)]
+
+
 def links_index_tensor(e: Eqn) -> list[Link]:
     """x[..., idx, ...] with one index tensor (or one adjacent block): the dims before it keep their place,
     the index's dims take its place, the dims after it follow."""
@@ -337,6 +357,11 @@ _SAME_NAMES = {"contiguous", "alias", "clone", "detach", "lift_fresh_copy", "to.
                "masked_fill.Tensor", "where.self", "fill_.Scalar", "zeros_like", "ones_like", "full_like",
                "empty_like", "rand_like", "randn_like", "bernoulli"}
 
+# elementwise ops aten does not tag pointwise: the bool and integer operators masks are built with
+# (`&`, `|` and chunk ids `pos // chunk`); the tagged ones (bitwise_*, logical_*) take the default
+ELEMENTWISE_UNTAGGED = frozenset({"__and__.Tensor", "__and__.Scalar", "__or__.Tensor", "__or__.Scalar",
+                                  "floor_divide.default", "floor_divide.Scalar"})
+
 LINK_RULES: dict[str, Callable[[Eqn], list[Link]]] = {
     "linear": links_linear, "matmul": links_matmul, "embedding": links_embedding,
     "view": links_reshape, "reshape": links_reshape, "_unsafe_view": links_reshape, "flatten": links_reshape,
@@ -358,6 +383,9 @@ LINK_RULES: dict[str, Callable[[Eqn], list[Link]]] = {
 for _n in _SAME_NAMES:
     LINK_RULES[_n] = links_index if _n in {"slice", "narrow", "pad", "cumsum", "roll", "flip"} else links_same
 LINK_RULES["repeat_interleave"] = links_repeat_interleave
+LINK_RULES["repeat"] = links_repeat
+for _n in ELEMENTWISE_UNTAGGED:
+    LINK_RULES[_n] = links_same
 
 
 def links_for(e: Eqn) -> list[Link]:
@@ -405,6 +433,35 @@ def infer_seq_positions(graph: Graph, seeds: dict[str, SeqPos] | None = None, re
             pos[other.name] = q
             work.append(other.name)
     return pos
+
+
+def token_id_seeds(graph: Graph) -> dict[str, SeqPos]:
+    """Without attention to seed from: the token ids. An integer graph input of shape [b, s] or [s] that
+    reaches an embedding's indices (through casts, copies and same-shape views) is the ids, its last dim
+    the sequence. Labels and position ids of the same shape then follow through the ordinary links."""
+    producer = {o.name: e for e in graph.eqns for o in e.outputs}
+    inputs = {v.name: v for v in graph.inputs}
+    seeds = {}
+    for e in graph.eqns:
+        if e.op.name != "embedding" or len(e.inputs) < 2:
+            continue
+        v = e.inputs[1]
+        while v.name not in inputs:
+            p = producer.get(v.name)
+            srcs = [x for x in p.inputs if x.dtype is not None] if p is not None else []
+            if len(srcs) != 1 or srcs[0].shape != v.shape or p.op.name not in _ID_PATH:
+                break
+            v = srcs[0]
+        ids = inputs.get(v.name)
+        if (ids is not None and ids.dtype is not None and not ids.dtype.is_floating_point
+                and not ids.dtype.is_complex and ids.dtype != torch.bool and ids.ndim in (1, 2) and ids.shape[-1] > 1):
+            seeds[ids.name] = SeqPos(ids.ndim - 1)
+    return seeds
+
+
+# what may stand between the token ids and the embedding: the same values, perhaps another dtype
+_ID_PATH = {"to.dtype", "to.device", "to.dtype_layout", "to.other", "_to_copy.default", "type_as.default",
+            "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "view", "reshape", "_unsafe_view"}
 
 
 def attention_length(graph: Graph, regions=()) -> int:

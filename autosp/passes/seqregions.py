@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from autosp.ir.core import Eqn, Graph, Var
-from autosp.passes.seqdims import SeqPos, infer_seq_positions, links_for, reshape_pos
+from autosp.passes.seqdims import SeqPos, infer_seq_positions, links_for, reshape_pos, token_id_seeds
 
 # ops that pick or shift positions along a dim: mixing when that dim is the sequence
 _ALONG = {"slice", "narrow", "select", "split", "split_with_sizes", "chunk", "unbind", "index_select",
@@ -108,15 +108,6 @@ def _mixes(e: Eqn, x: Var, p: SeqPos, pos: dict) -> bool:
     return False
 
 
-def token_ids(graph: Graph) -> Var | None:
-    """The integer input that feeds an embedding: the token ids."""
-    inputs = {v.name for v in graph.inputs}
-    for e in graph.eqns:
-        if e.op.name == "embedding" and len(e.inputs) > 1 and e.inputs[1].name in inputs:
-            return e.inputs[1]
-    return None
-
-
 def find_seq_regions(graph: Graph, pos: dict[str, SeqPos], heavy: set[str], length: int, ranks: int,
                      skip: set[int] = frozenset()) -> list[SeqRegion]:
     """Head-parallel regions of a global forward graph (`pos`: sequence dims, `heavy`: activations,
@@ -138,8 +129,8 @@ def find_seq_regions(graph: Graph, pos: dict[str, SeqPos], heavy: set[str], leng
             if x.name in heavy and whole(x) and _mixes(e, x, pos[x.name], pos):
                 seeds.append(k)
                 break
-    ids = token_ids(graph)
-    batch = infer_seq_positions(graph, {ids.name: SeqPos(0)}) if ids is not None and ids.ndim == 2 else {}
+    # the batch dim, found as the sequence is (from the token ids), is never the one split
+    batch = infer_seq_positions(graph, {n: SeqPos(0) for n, p in token_id_seeds(graph).items() if p.dim == 1})
     grown: list[set[int]] = []
     spoilt: set[int] = set()
     for seed in seeds:

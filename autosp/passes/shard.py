@@ -1,6 +1,7 @@
 """The sharding pass: a global forward graph -> the graph one rank of `sp` runs.
 
-1. find every value's sequence dim (seqdims.py), seeded by attention or in_specs;
+1. find every value's sequence dim (seqdims.py), seeded by attention or in_specs, else by the token
+   ids (an integer [b, s] input that feeds an embedding);
 2. mark activations: values that depend on a floating input (params, embeddings);
    activations with a sequence dim are sharded, everything else (token ids, labels,
    position ids, masks, RoPE tables) is computed replicated and sharded where it meets
@@ -22,10 +23,10 @@ from autosp.ir.ops import Tag
 from autosp.passes.dce import dce
 from autosp.passes.prefetch import schedule_gathers
 from autosp.passes.dispatch import dispatch_rule, find_dispatch_regions
-from autosp.passes.seqdims import SeqPos, attention_length, infer_seq_positions
+from autosp.passes.seqdims import SeqPos, attention_length, infer_seq_positions, token_id_seeds
 from autosp.passes.shard_ctx import MeshInfo, ShardCtx
 from autosp.passes.regions import find_regions
-from autosp.passes.seqregions import find_seq_regions, seq_region_rule, token_ids
+from autosp.passes.seqregions import find_seq_regions, seq_region_rule
 from autosp.passes.shard_rules import region_rule, replicate, rule_for
 
 aten = torch.ops.aten
@@ -116,19 +117,26 @@ def analyse(graph: Graph, mesh: MeshInfo, in_specs=None) -> Analysis:
     seeds = spec_seeds(graph, in_specs)
     regions = find_regions(graph)
     length = attention_length(graph, [])
-    ids = token_ids(graph)
-    if not length and ids is not None and not seeds:
-        length = ids.shape[-1]      # no attention: the token ids' layout (b s) names the sequence
-        seeds[ids.name] = SeqPos(ids.ndim - 1)
-    if length:                      # square matmuls over blocks of a recurrence are not attention
-        regions = [r for r in regions if r.q.shape[-2] == length]
+    ids = token_id_seeds(graph)
+    known = length or max((v.shape[ids[v.name].dim] for v in graph.inputs if v.name in ids), default=0)
+    if known:                       # square matmuls over blocks of a recurrence are not attention
+        regions = [r for r in regions if r.q.shape[-2] == known]
     length = attention_length(graph, regions)
     if not length:
+        if not any(p is not None for p in seeds.values()):
+            # no attention (a pure recurrence) or attention of its own that is no region (sinks joined
+            # to the scores): the token ids name the sequence, unless in_specs did
+            seeds.update({n: p for n, p in token_id_seeds(graph).items() if n not in seeds})
         lengths = {v.shape[p.dim] for v in graph.inputs if (p := seeds.get(v.name)) is not None}
         if not lengths:
+            ints = ", ".join(f"{v}: {v.type_str()}" for v in graph.inputs
+                             if v.dtype is not None and not v.dtype.is_floating_point) or "none"
             raise ShardError(
-                "autosp.shard: the function has no attention (scaled_dot_product_attention) to infer the "
-                "sequence dim from. Fix: pass in_specs, e.g. in_specs=(None, 'b s') for (params, input_ids).")
+                "autosp.shard: the function has no attention (scaled_dot_product_attention, or attention written "
+                "out as matmul, softmax, matmul) and no token ids (an integer [b, s] or [s] input that feeds an "
+                f"embedding) to infer the sequence dim from (integer inputs: {ints}). Fix: pass in_specs naming "
+                "the sequence dim, e.g. in_specs=(None, 'b s') for (params, input_ids) or (None, 'b s d') for "
+                "(params, embeddings).")
         length = max(lengths)
     blocked = {n for n, p in seeds.items() if p is None}
     pos = infer_seq_positions(graph, {n: p for n, p in seeds.items() if p is not None}, regions)

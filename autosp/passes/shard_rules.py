@@ -19,6 +19,7 @@ from autosp.ir.core import Eqn, Var
 from autosp.ir.ops import Tag
 from autosp.layout import Layout
 from autosp.passes.masks import mask_function
+from autosp.passes.seqdims import ELEMENTWISE_UNTAGGED
 from autosp.passes.shard_ctx import ShardCtx
 
 aten = torch.ops.aten
@@ -564,6 +565,25 @@ def repeat_interleave_rule(ctx: ShardCtx, e: Eqn) -> None:
     positionwise(ctx, e)
 
 
+def repeat_rule(ctx: ShardCtx, e: Eqn) -> None:
+    """x.repeat(sizes): tiles of the whole dim. Where the sequence's dim is not tiled, or the tiles stay one
+    sequence with an outer factor (seqdims' links_repeat: [(r outer) s inner], as MoE's `hidden.repeat(E, 1)`
+    over `(b s)` rows), each rank tiles its own chunk: the local tiles are the global ones' chunks in the
+    same order. Anything else (the output's sequence not found) is gathered, tiled whole and sharded."""
+    x = ctx.env[e.inputs[0].name]
+    out = e.outputs[0]
+    if x.layout is None:
+        return positionwise(ctx, e)
+    p = ctx.pos.get(out.name)
+    sizes = list(e.bind_schema()["repeats"])
+    off = out.ndim - x.ndim
+    lay = x.layout
+    tiled = sizes[lay.dim + off]
+    if p is None or p.dim != lay.dim + off or p.inner != lay.inner or p.outer != lay.outer * tiled:
+        return gather_fallback(ctx, e)
+    positionwise(ctx, e)
+
+
 def index_rule(ctx: ShardCtx, e: Eqn) -> None:
     """x[idx]: an index tensor that carries the sequence into a replicated table (expert weights
     gathered per token) is position-wise, so is a sharded x indexed along other dims; else fall back."""
@@ -650,7 +670,7 @@ POSITIONWISE_NAMES = {
     "rms_norm",
 }
 
-RULES: dict[str, Rule] = {name: positionwise for name in POSITIONWISE_NAMES}
+RULES: dict[str, Rule] = {name: positionwise for name in POSITIONWISE_NAMES | ELEMENTWISE_UNTAGGED}
 RULES.update({
     "attention": attention_rule, "cross_entropy": loss_rule, "nll_loss": loss_rule,
     "slice": slice_rule, "narrow": slice_rule, "select": seq_dim_arg("dim"), "cat": cat_rule, "pad": pad_rule,
@@ -661,6 +681,7 @@ RULES.update({
     "_log_softmax": seq_dim_arg("dim"), "cumsum": seq_dim_arg("dim"), "split": seq_dim_arg("dim", 0),
     "split_with_sizes": seq_dim_arg("dim", 0), "chunk": seq_dim_arg("dim", 0), "unbind": seq_dim_arg("dim", 0),
     "flip": seq_dim_arg("dims"), "roll": seq_dim_arg("dims"), "repeat_interleave": repeat_interleave_rule,
+    "repeat": repeat_rule,
     "tril": gather_fallback, "triu": gather_fallback, "index_select": gather_fallback, "gather": seq_dim_arg("dim"),
     "index": index_rule, "layer_norm": layer_norm_rule, "native_layer_norm": layer_norm_rule,
     "matmul": matmul_rule, "addmm": addmm_rule, "einsum": einsum_rule,
