@@ -189,3 +189,21 @@ def case(name: str, s: int):
 
 
 NAMES = ["meta_llama"] + list(HF)
+
+
+# ---------------------------------------------------------------- short causal convolutions along the sequence
+
+# name -> (config class, model class, config kwargs): hybrids of short causal convolutions and attention
+# (tests/test_halo.py; kept out of HF, whose every entry the zoo test runs)
+SHORT_CONV = {
+    # LFM2: a depthwise conv1d (kernel conv_L_cache = 3) over `b s c` transposed, sliced to the first s
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", _base(layer_types=["conv", "full_attention"], block_multiple_of=16)),
+}
+
+
+def short_conv_model(name: str, **extra):
+    import transformers
+    cfg_cls, model_cls, kw = SHORT_CONV[name]
+    cfg = getattr(transformers, cfg_cls)(attn_implementation="sdpa", **{**kw, **extra})
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(cfg).float().train()
