@@ -370,7 +370,7 @@ def explain(fn, mesh, *args, in_specs=None, memory_budget=None, host_bandwidth=N
         args = (_differentiable(args[0]),) + tuple(args[1:])
     graph, local = Sharded(fn, mesh, in_specs, ring=ring).graphs(*args)
     colls = [e for e in local.eqns if e.op.name in ("all_to_all", "all_reduce_sum", "all_gather_seq",
-                                                     "all_gather_param")]
+                                                     "all_gather_param", "halo_exchange")]
     head = (f"# autosp.explain: sp={mesh_info(mesh).sp_size}, {len(graph.eqns)} global equations -> "
             f"{len(local.eqns)} per-rank, collectives: "
             + ", ".join(f"{n}x{sum(e.op.name == n for e in colls)}" for n in sorted({e.op.name for e in colls})))

@@ -9,6 +9,8 @@ value's grad on rank r is a *share*: the shares of all ranks sum to its true gra
   all_gather_seq  S -> R   backward: sum the shares (all-reduce), then this rank's chunk
   all_reduce_sum  P -> R   backward: sum the shares (all-reduce): the true grad of each partial
   all_to_all      S <-> H  backward: the inverse all-to-all
+  halo_exchange   S -> S   the `width` positions before this rank's chunk; backward: halo_grad, each
+                           position's grad sent back to the rank that holds it and added there
   grad_sync       R -> R   identity forward; backward sums the shares (parameters)
   grad_scale      R -> R   identity forward; backward scales: the outputs' seed becomes a share
 A replicated term that reaches the loss without a collective (a weight penalty, a pooled
@@ -296,6 +298,101 @@ def _a2a_backward(ctx, grads):
 
 
 all_to_all.register_autograd(_a2a_backward, setup_context=_a2a_setup)
+
+
+# ---------------------------------------------------------------- halo_exchange (short causal convolutions)
+
+def _halo_rows(width: int, n: int, gap: int) -> int:
+    """How many of its last positions a rank sends to the rank `gap` places after it: the part of its
+    chunk (n positions) that falls in that rank's halo (the `width` positions before the rank's own chunk).
+    Past one chunk (width > n) the halo spans several ranks: the nearer ones send whole chunks."""
+    return max(0, min(n, width - (gap - 1) * n)) if gap > 0 else 0
+
+
+def _halo_splits(width: int, n: int, r: int, p: int) -> tuple[list[int], list[int]]:
+    """(positions rank r sends to each rank, positions it receives from each) in halo_exchange."""
+    return [_halo_rows(width, n, j - r) for j in range(p)], [_halo_rows(width, n, r - q) for q in range(p)]
+
+
+def _rows(t: Tensor, dim: int) -> Tensor:
+    return t.movedim(dim, 0)
+
+
+def _halo_shape(shape, dim: int, n: int) -> list[int]:
+    out = list(shape)
+    out[dim] = n
+    return out
+
+
+@torch.library.custom_op("autosp::halo_exchange", mutates_args=())
+def halo_exchange(x: Tensor, dim: int, width: int, group_name: str) -> Tensor:
+    """The `width` positions along `dim` just before this rank's chunk, from the ranks before it: what a
+    causal convolution of receptive field width + 1 reads across the shard edge. Rank 0 (and any part before
+    position 0) gets zeros, as the convolution's own padding gives. One all-to-all with uneven splits (gloo and
+    NCCL both have it): neighbours only while width <= the chunk, more ranks past it."""
+    pg = _pg(group_name)
+    r, p, n = dist.get_rank(pg), dist.get_world_size(pg), x.shape[dim]
+    sends, recvs = _halo_splits(width, n, r, p)
+    rows = _rows(x, dim)
+    send = torch.cat([rows[n - k:] for k in sends], dim=0)
+    recv = send.new_empty([sum(recvs)] + list(send.shape[1:]))
+    dist.all_to_all_single(recv, send, recvs, sends, group=pg)
+    out = x.new_zeros(_halo_shape(x.shape, dim, width))
+    got = recv.shape[0]                       # min(width, r * n): the ranks before hold fewer positions
+    out.narrow(dim, width - got, got).copy_(recv.movedim(0, dim))
+    _release(send, recv, keep=(x, out))
+    return out
+
+
+@halo_exchange.register_fake
+def _(x, dim, width, group_name):
+    return x.new_empty(_halo_shape(x.shape, dim, width))
+
+
+@torch.library.custom_op("autosp::halo_grad", mutates_args=())
+def halo_grad(g: Tensor, dim: int, n: int, group_name: str) -> Tensor:
+    """halo_exchange's backward: the grad of each received position goes back to the rank that holds it,
+    which adds it to its own chunk's grad (n positions; a position in several ranks' halos gets the sum)."""
+    pg = _pg(group_name)
+    r, p, width = dist.get_rank(pg), dist.get_world_size(pg), g.shape[dim]
+    forward_sends, forward_recvs = _halo_splits(width, n, r, p)
+    got = sum(forward_recvs)                  # the zeros before position 0 go nowhere
+    send = _rows(g, dim)[width - got:].contiguous()
+    recv = send.new_empty([sum(forward_sends)] + list(send.shape[1:]))
+    dist.all_to_all_single(recv, send, forward_sends, forward_recvs, group=pg)
+    out = g.new_zeros(_halo_shape(g.shape, dim, n))
+    rows = _rows(out, dim)
+    for k, piece in zip([k for k in forward_sends if k], recv.split([k for k in forward_sends if k], dim=0)):
+        rows[n - k:] += piece                 # each later rank's halo ends with this chunk's last k positions
+    _release(send, recv, keep=(g, out))
+    return out
+
+
+@halo_grad.register_fake
+def _(g, dim, n, group_name):
+    return g.new_empty(_halo_shape(g.shape, dim, n))
+
+
+def _halo_setup(ctx, inputs, output):
+    x, dim, _, group_name = inputs
+    ctx.args = (dim, x.shape[dim], group_name)
+
+
+def _halo_backward(ctx, g):
+    return halo_grad(g.contiguous(), *ctx.args), None, None, None
+
+
+def _halo_grad_setup(ctx, inputs, output):
+    g, dim, _, group_name = inputs
+    ctx.args = (dim, g.shape[dim], group_name)
+
+
+def _halo_grad_backward(ctx, gg):
+    return halo_exchange(gg.contiguous(), *ctx.args), None, None, None
+
+
+halo_exchange.register_autograd(_halo_backward, setup_context=_halo_setup)
+halo_grad.register_autograd(_halo_grad_backward, setup_context=_halo_grad_setup)
 
 
 # ---------------------------------------------------------------- positions of this rank

@@ -77,6 +77,8 @@ HF_2026 = {
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", _base(
         head_dim=8, intermediate_size_mlp=64, attention_chunk_size=8, no_rope_layers=[1, 0],
         interleave_moe_layer_step=2, num_local_experts=4, num_experts_per_tok=1, floor_scale=16)),
+    # LFM2: a depthwise conv1d (kernel conv_L_cache = 3) over `b s c` transposed, sliced to the first s
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", _base(layer_types=["conv", "full_attention"], block_multiple_of=16)),
 }
 
 
@@ -210,3 +212,4 @@ NAMES_2026 = list(HF_2026)
 
 
 case_2026 = case        # an HF_2026 entry's step: hf_model reads both tables
+short_conv_model = hf_model

@@ -135,7 +135,7 @@ for _name, (_tags, _ovs) in _VOCAB.items():
 
 
 _COLLECTIVES = {"all_to_all", "all_reduce_sum", "all_gather_seq", "shard_slice", "unshard_grad",
-                "all_gather_param", "reduce_scatter_param", "zigzag_exchange",
+                "all_gather_param", "reduce_scatter_param", "zigzag_exchange", "halo_exchange", "halo_grad",
                 "all_to_all_start", "all_gather_param_start", "reduce_scatter_param_start"}
 
 

@@ -703,3 +703,7 @@ def rule_for(e: Eqn) -> Rule:
     if e.op.has(Tag.ELEMENTWISE) and not e.op.has(Tag.INPLACE):
         return positionwise
     return no_rule
+
+
+# op families in modules of their own register into RULES (and seqdims.LINK_RULES) on import
+import autosp.passes.halo  # noqa: E402,F401 - convolutions along the sequence

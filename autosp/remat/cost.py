@@ -184,8 +184,9 @@ def eqn_terms(e: Eqn, device: Device) -> tuple[float, float, float, float]:
     if e.op.name == "wait_collective":
         return 0.0, 0.0, 0.0, 0.0
     if e.op.has(Tag.COLLECTIVE) or e.op.name in ("all_to_all", "all_reduce_sum", "all_gather_seq"):
-        # the whole tensor crosses the links: a gather's output, a reduce-scatter's input
-        moved = _bytes(e.inputs) if e.op.name == "reduce_scatter_param" else _bytes(e.outputs)
+        # the whole tensor crosses the links: a gather's output, a reduce-scatter's input; a halo's positions
+        # (halo_grad sends its input back and adds it into a whole chunk)
+        moved = _bytes(e.inputs) if e.op.name in ("reduce_scatter_param", "halo_grad") else _bytes(e.outputs)
         return device.latency, 0.0, 0.0, float(moved)
     from autosp.ir.aliases import aliases
     if all(a is not None for a in aliases(e)) and e.outputs:

@@ -52,6 +52,9 @@ WORKSPACE = {
     "ring_masked_attention": lambda e: _ring_workspace(e, forward=True, masked=True),
     "ring_masked_attention_backward": lambda e: _ring_workspace(e, forward=False, masked=True),
     "zigzag_exchange": lambda e: 2 * _bytes_in(e),
+    # the positions sent and those received, each at most the halo (the output, or the gradient's input)
+    "halo_exchange": lambda e: 2 * _bytes_out(e),
+    "halo_grad": lambda e: 2 * _bytes_in(e),
     "reduce_scatter_param": lambda e: _reduce_scatter_param(e),
 }
 

@@ -16,7 +16,8 @@ from autosp.run.meshes import fake_world
 from autosp.run.models import describe, spec_of
 from autosp.run.plan import _step, fmt
 
-_COLLECTIVES = {"all_to_all", "all_reduce_sum", "all_gather_seq", "shard_slice", "unshard_grad"}
+_COLLECTIVES = {"all_to_all", "all_reduce_sum", "all_gather_seq", "shard_slice", "unshard_grad", "halo_exchange",
+                "halo_grad"}
 
 
 def _short(name: str) -> str:

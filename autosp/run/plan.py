@@ -46,7 +46,8 @@ from autosp.run.models import build_model, count_parameters
 from autosp.units import fmt_bytes as fmt  # answer, explain and train read it from here
 
 _MOMENTS = {"adamw": 2, "sgd": 0}            # fp32 optimizer moments per parameter
-_COLLECTIVES = ("all_to_all", "all_reduce_sum", "all_gather_seq", "all_gather_param", "reduce_scatter_param")
+_COLLECTIVES = ("all_to_all", "all_reduce_sum", "all_gather_seq", "all_gather_param", "reduce_scatter_param",
+                "halo_exchange", "halo_grad")
 
 
 # ---------------------------------------------------------------- programs at one length
@@ -484,9 +485,9 @@ def _both(first, second, parallel: bool = True):
 def comm_bytes(program) -> tuple[int, int]:
     """Bytes each rank sends in the step's collectives (recomputed ones included), by the size P of
     each one's group, as (the sequence's, the parameters'): all-to-all (P-1)/P of its input, ring
-    all-reduce 2(P-1)/P, all-gather of the sequence (P-1) times its chunk; a parameter's gather (P-1)
-    times its shard in the gathered dtype, its gradient's reduce-scatter (P-1)/P of the reduce_dtype
-    buffer it sums (P shards). Needs the planning world (group sizes by name)."""
+    all-reduce 2(P-1)/P, all-gather of the sequence (P-1) times its chunk, a halo exchange at most its halo;
+    a parameter's gather (P-1) times its shard in the gathered dtype, its gradient's reduce-scatter (P-1)/P
+    of the reduce_dtype buffer it sums (P shards). Needs the planning world (group sizes by name)."""
     from autosp.collectives import group_size
     seq = par = 0.0
     for g in (program.forward, program.backward):
@@ -503,6 +504,8 @@ def comm_bytes(program) -> tuple[int, int]:
             elif name == "reduce_scatter_param":
                 inner = math.prod(e.inputs[0].shape[1:])
                 par += (p - 1) * args["chunk"] * inner * args["reduce_dtype"].itemsize
+            elif name in ("halo_exchange", "halo_grad"):      # at most the halo (its positions or their grads)
+                seq += e.outputs[0].nbytes() if name == "halo_exchange" else e.inputs[0].nbytes()
             else:
                 size = sum(v.nbytes() for v in e.inputs)
                 seq += {"all_to_all": (p - 1) / p, "all_reduce_sum": 2 * (p - 1) / p,
