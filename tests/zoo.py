@@ -77,6 +77,23 @@ HF_2026 = {
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", _base(
         head_dim=8, intermediate_size_mlp=64, attention_chunk_size=8, no_rope_layers=[1, 0],
         interleave_moe_layer_step=2, num_local_experts=4, num_experts_per_tok=1, floor_scale=16)),
+    # gated delta rule (the torch path: chunks of 64, a state carried between them) after a short conv,
+    # with full attention; Qwen3-Next's MoE
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", _base(
+        head_dim=8, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"])),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _base(
+        head_dim=8, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"])),
+    # Mamba-2's SSD (chunks of 16, B and C shared by the heads: read whole) and Mamba-1's scan (a loop over
+    # every position), each after a short conv; no attention at all
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=8, n_groups=1,
+        expand=2, conv_kernel=4, chunk_size=16, attn_implementation="eager")),
+    "mamba": ("MambaConfig", "MambaForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4,
+        attn_implementation="eager")),
     # LFM2: a depthwise conv1d (kernel conv_L_cache = 3) over `b s c` transposed, sliced to the first s
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", _base(layer_types=["conv", "full_attention"], block_multiple_of=16)),
 }

@@ -369,7 +369,7 @@ LINK_RULES: dict[str, Callable[[Eqn], list[Link]]] = {
     "permute": links_permute, "transpose": links_permute, "t": links_permute,
     "unsqueeze": links_unsqueeze, "squeeze": links_squeeze, "select": links_select,
     "split": links_multi_same, "split_with_sizes": links_multi_same, "chunk": links_multi_same,
-    "unbind": links_multi_same, "cat": links_cat, "attention": links_attention,
+    "unbind": links_multi_same, "tensor_split.indices": links_multi_same, "cat": links_cat, "attention": links_attention,
     "cross_entropy": links_loss, "nll_loss": links_loss,
     "sum": links_reduce, "mean": links_reduce, "amax": links_reduce, "amin": links_reduce,
     "logsumexp": links_reduce, "prod": links_reduce, "any": links_reduce, "all": links_reduce,
@@ -400,11 +400,13 @@ def links_for(e: Eqn) -> list[Link]:
     return rule(e)
 
 
-def infer_seq_positions(graph: Graph, seeds: dict[str, SeqPos] | None = None, regions=()) -> dict[str, SeqPos]:
+def infer_seq_positions(graph: Graph, seeds: dict[str, SeqPos] | None = None, regions=(), *,
+                        attention: bool = True) -> dict[str, SeqPos]:
     """Var name -> where its sequence is. Seeds: attention's Q/K/V/out (SDPA and head-parallel regions,
-    whose inner [.., L, L] values hold two sequences and link nothing), plus user specs."""
+    whose inner [.., L, L] values hold two sequences and link nothing), plus user specs. `attention=False`
+    spreads the given seeds alone (another dim than the sequence: the batch)."""
     pos: dict[str, SeqPos] = dict(seeds or {})
-    for e in graph.eqns:
+    for e in graph.eqns if attention else ():
         if e.op.name == "attention" and e.op.target is not None:
             for v in (*e.inputs[:3], e.outputs[0]):
                 pos.setdefault(v.name, SeqPos(v.ndim - 2))

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from autosp.ir.core import Eqn, Graph, Var
-from autosp.passes.seqdims import SeqPos, infer_seq_positions, links_for, reshape_pos, token_id_seeds
+from autosp.passes.seqdims import LINK_RULES, SeqPos, infer_seq_positions, links_for, reshape_pos, token_id_seeds
 
 # ops that pick or shift positions along a dim: mixing when that dim is the sequence
-_ALONG = {"slice", "narrow", "select", "split", "split_with_sizes", "chunk", "unbind", "index_select",
+_ALONG = {"slice", "narrow", "select", "split", "split_with_sizes", "chunk", "unbind", "index_select", "tensor_split.indices",
           "cumsum", "cumprod", "flip", "roll", "diff", "unfold", "logcumsumexp"}
 _PAD = {"pad", "constant_pad_nd"}
 _TRI = {"tril", "triu"}
@@ -81,10 +81,8 @@ def _mixes(e: Eqn, x: Var, p: SeqPos, pos: dict) -> bool:
         dims = {_norm(d, x.ndim) for d in _dims(e)} or {0}
         if sd not in dims:
             return False
-        if name in ("slice", "narrow"):
-            b = e.bind_schema()
-            out = e.outputs[0]
-            return out.shape[sd] != x.shape[sd]            # a no-op slice keeps the sequence whole
+        if name in ("slice", "narrow", "tensor_split.indices"):   # a no-op slice keeps the sequence whole
+            return any(0 < o.shape[sd] < x.shape[sd] for o in e.outputs)
         return True
     if name in _PAD:
         pad = e.bind_schema().get("pad") or []
@@ -130,7 +128,8 @@ def find_seq_regions(graph: Graph, pos: dict[str, SeqPos], heavy: set[str], leng
                 seeds.append(k)
                 break
     # the batch dim, found as the sequence is (from the token ids), is never the one split
-    batch = infer_seq_positions(graph, {n: SeqPos(0) for n, p in token_id_seeds(graph).items() if p.dim == 1})
+    batch = infer_seq_positions(graph, {n: SeqPos(0) for n, p in token_id_seeds(graph).items() if p.dim == 1},
+                                attention=False)
     grown: list[set[int]] = []
     spoilt: set[int] = set()
     for seed in seeds:
@@ -265,12 +264,31 @@ def _independent(graph, order, head) -> bool:
         for o in e.outputs:
             if o.dtype is not None and o.dtype.is_floating_point and o.ndim and o.name not in head:
                 return False
+        if not _keeps_heads(e, head):
+            return False
         if e.op.name not in _MOVES:
             # stack's dim names a dim of its output; every other op's, a dim of its input
             x = e.outputs[0] if e.op.name == "stack" else ins[0]
             if x.name in head and any(_norm(d, x.ndim) == head[x.name].dim for d in _dims(e) if isinstance(d, int)):
                 return False
         if e.op.name in ("index", "index_put", "_index_put_impl", "scatter", "gather", "index_select"):
+            return False
+    return True
+
+
+def _keeps_heads(e: Eqn, head) -> bool:
+    """No input's head dim is contracted or reduced away (Mamba-1's C . state), or lands elsewhere. A ruled op's
+    link maps every dim it keeps; a probed op's (seqdims.links_for asks the op itself) one dim each, so
+    there a head no link names is unknown, not lost."""
+    ruled = e.op.name in LINK_RULES
+    found: dict[tuple[str, str], list] = defaultdict(list)
+    for a, b, fwd, _ in links_for(e):
+        if a.name in head and b.name in head:
+            found[(a.name, b.name)].append(fwd(head[a.name]))
+    for (a, b), qs in found.items():
+        if head[b] in qs:
+            continue
+        if any(q is not None for q in qs) or ruled:
             return False
     return True
 
@@ -323,7 +341,7 @@ def seq_region_rule(ctx, e: Eqn, region: SeqRegion) -> None:
             return inside[x.name]
         hp = region.head.get(x.name)
         if x.name in region.entries:
-            new = _to_heads(ctx, x, hp) if hp is not None else ctx.as_replicated(x, e.source)
+            new = _to_heads(ctx, x, hp, e.source) if hp is not None else ctx.as_replicated(x, e.source)
         else:
             new = ctx.as_replicated(x, e.source)
             if hp is not None:
@@ -347,19 +365,20 @@ def seq_region_rule(ctx, e: Eqn, region: SeqRegion) -> None:
             ctx.env[old.name] = _from_heads(ctx, old, new, region.head.get(old.name), e.source)
 
 
-def _to_heads(ctx, x: Var, hp: SeqPos) -> Var:
+def _to_heads(ctx, x: Var, hp: SeqPos, source=None) -> Var:
     """A whole-sequence activation, sequence-sharded now, as this rank's heads over the whole sequence."""
     from autosp import collectives as C
     torch_aten = torch.ops.aten
-    s = ctx.as_sharded(x)
+    s = ctx.as_sharded(x, source)
     p = ctx.mesh.sp_size
     lay = s.layout
     if lay is None or lay.outer != 1 or lay.inner != 1 or hp.outer != 1:
-        full = ctx.as_replicated(x)
-        return ctx.emit(C.shard_slice, (full, hp.dim, hp.outer, hp.length(x) // p, hp.inner, ctx.mesh.sp_group))
-    (y,) = ctx.emit(C.all_to_all, ([s], hp.dim, lay.dim, ctx.mesh.sp_group))
+        full = ctx.as_replicated(x, source)
+        return ctx.emit(C.shard_slice, (full, hp.dim, hp.outer, hp.length(x) // p, hp.inner, ctx.mesh.sp_group),
+                        source=source)
+    (y,) = ctx.emit(C.all_to_all, ([s], hp.dim, lay.dim, ctx.mesh.sp_group), source=source)
     if y.shape[lay.dim] != lay.length:
-        y = ctx.emit(torch_aten.narrow.default, (y, lay.dim, 0, lay.length))
+        y = ctx.emit(torch_aten.narrow.default, (y, lay.dim, 0, lay.length), source=source)
     return y
 
 

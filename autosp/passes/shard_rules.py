@@ -112,6 +112,23 @@ def seq_dim_arg(arg_name: str, default=None, many: bool = False) -> Rule:
     return rule
 
 
+def tensor_split_rule(ctx: ShardCtx, e: Eqn) -> None:
+    """tensor_split along the sequence at its end (Qwen3-Next and Mamba split off a remainder that is
+    empty at training lengths): the whole piece is the input, the empty ones are empty; a split inside
+    the sequence falls back to the gather (a head-parallel region takes it where it is one)."""
+    x = ctx.env[e.inputs[0].name]
+    old = e.inputs[0]
+    d = _norm(e.bind_schema().get("dim", 0), old.ndim)
+    if x.layout is None or x.layout.dim != d:
+        return positionwise(ctx, e)
+    whole = [o for o in e.outputs if o.shape == old.shape]
+    if len(whole) != 1 or any(o.shape[d] != 0 for o in e.outputs if o is not whole[0]):
+        return gather_fallback(ctx, e)
+    for o in e.outputs:
+        ctx.env[o.name] = x if o is whole[0] else ctx.emit(aten.new_zeros.default, (x, list(o.shape)),
+                                                           source=e.source)
+
+
 def layer_norm_rule(ctx: ShardCtx, e: Eqn) -> None:
     x = ctx.env[e.inputs[0].name]
     n = len(e.bind_schema()["normalized_shape"])
@@ -144,9 +161,10 @@ def slice_rule(ctx: ShardCtx, e: Eqn) -> None:
 
 
 def cat_rule(ctx: ShardCtx, e: Eqn) -> None:
-    """Empty placeholders (an empty KV cache) drop out; a cat along the sequence falls back."""
+    """Empty placeholders (an empty KV cache) drop out, a cat of one value is that value (Qwen3-Next joins
+    its chunked part to an empty remainder); a cat along the sequence falls back."""
     live = [t for t in e.inputs if t.numel() > 0]
-    if len(live) == 1 and len(e.inputs) > 1:
+    if len(live) == 1:
         x = live[0]
         new = ctx.as_sharded(x, e.source) if ctx.wants_shard(e.outputs[0]) else ctx.env[x.name]
         lay = new.layout
@@ -679,7 +697,7 @@ RULES.update({
     "var": reduce_rule, "std": reduce_rule, "argmax": reduce_rule, "argmin": reduce_rule, "norm": reduce_rule,
     "softmax": seq_dim_arg("dim"), "_softmax": seq_dim_arg("dim"), "log_softmax": seq_dim_arg("dim"),
     "_log_softmax": seq_dim_arg("dim"), "cumsum": seq_dim_arg("dim"), "split": seq_dim_arg("dim", 0),
-    "split_with_sizes": seq_dim_arg("dim", 0), "chunk": seq_dim_arg("dim", 0), "unbind": seq_dim_arg("dim", 0),
+    "split_with_sizes": seq_dim_arg("dim", 0), "chunk": seq_dim_arg("dim", 0), "tensor_split.indices": tensor_split_rule, "unbind": seq_dim_arg("dim", 0),
     "flip": seq_dim_arg("dims"), "roll": seq_dim_arg("dims"), "repeat_interleave": repeat_interleave_rule,
     "repeat": repeat_rule,
     "tril": gather_fallback, "triu": gather_fallback, "index_select": gather_fallback, "gather": seq_dim_arg("dim"),
