@@ -2,14 +2,15 @@
 and eager attention stay Ulysses regions, and nothing gathers the sequence but the values every head shares.
 
 Tiny random configs of transformers' own classes (tests/zoo.py HF_2026), their torch code paths, fp32:
-Qwen3-Next and Qwen3.5 (gated delta rule after a short conv, with full attention; Qwen3-Next's MoE), Mamba-2
-(SSD in chunks) and Mamba-1 (a scan over every position), both without attention, MiniMax (lightning attention,
-MoE), gpt-oss (eager attention with a sink logit per head, sliding windows, MoE with biases), Llama 4 (chunked
+Qwen3-Next, Qwen3.5 and OLMo-hybrid (gated delta rule after a short conv, with full attention; Qwen3-Next's
+MoE), Kimi-Linear (KDA, MLA, MoE), Mamba-2 (SSD in chunks) and Mamba-1 (a scan over every position), both
+without attention, Mamba-2 hybrids (Bamba, Granite 4, Nemotron-H, Falcon-H1's parallel attention and SSM), Jamba
+(Mamba-1, attention, MoE), MiniMax (lightning attention, MoE), gpt-oss (eager attention with a sink logit per head, sliding windows, MoE with biases), Llama 4 (chunked
 attention, tests/test_seq_inference.py). LFM2's short convolutions are tests/test_halo.py's. The loss and every
 grad of every rank against the single device (rtol 1e-5), at sp 2 with a length it does not divide, sp 4 with
 one it does (one model per kind of region), and a 2 x 2 dp x sp mesh; each program has its all-to-alls
 (attention: one in, one out; a recurrence: one per entry, one per exit) and no all-gather of the sequence but
-Mamba-1's B and C (no head dim: each rank reads them whole, 2 a layer).
+Mamba-1's B and C in Mamba and Jamba (no head dim: each rank reads them whole, 2 a layer).
 
 (Qwen3-Next at dp 2 x sp 2 is left out: with rows 2-3 of the batch its A_log grad is 3e-7, a cancellation whose
 fp32 rounding is 3e-4 of it on one device as sharded; with A_log + 2 every grad agrees to 1e-7.)
@@ -22,7 +23,8 @@ from tests.models import assert_every_rank
 
 # name -> (all-to-alls, sequence gathers) a rank's program holds (two layers)
 EXPECTED = {"qwen3_next": (8, 0), "qwen3_5": (8, 0), "mamba2": (12, 0), "mamba": (6, 4), "minimax": (6, 0),
-            "gpt_oss": (4, 0), "llama4": (4, 0)}
+            "gpt_oss": (4, 0), "llama4": (4, 0), "bamba": (8, 0), "granite4": (8, 0), "nemotron_h": (8, 0),
+            "falcon_h1": (16, 0), "jamba": (5, 2), "kimi_linear": (12, 0), "olmo_hybrid": (8, 0)}
 SP4 = ["qwen3_next", "mamba2", "mamba", "minimax", "gpt_oss"]
 DP = ["qwen3_5", "mamba2", "minimax"]
 

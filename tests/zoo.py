@@ -63,6 +63,9 @@ HF = {
 }
 
 
+_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+               mamba_chunk_size=16)
+
 # 2026's architectures: recurrences (gated delta rule, lightning attention, Mamba-2's SSD, Mamba-1's scan)
 # interleaved with attention, attention sinks
 HF_2026 = {
@@ -94,6 +97,29 @@ HF_2026 = {
     "mamba": ("MambaConfig", "MambaForCausalLM", dict(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4,
         attn_implementation="eager")),
+    # Mamba-2 interleaved with attention (Bamba, Granite 4 with MoE, Nemotron-H with MLP-only blocks, Falcon-H1
+    # with attention and Mamba-2 side by side in each layer), Mamba-1 with attention and MoE (Jamba), KDA
+    # (Kimi-Linear, with MLA and MoE), OLMo's gated delta rule hybrid
+    "bamba": ("BambaConfig", "BambaForCausalLM", _base(attn_layer_indices=[1], **_MAMBA2)),
+    "granite4": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", _base(
+        layer_types=["mamba", "attention"], num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32,
+        **_MAMBA2)),
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=32, layers_block_type=["mamba", "attention", "mlp"], num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, intermediate_size=64, ssm_state_size=8, mamba_num_heads=4,
+        mamba_head_dim=16, n_groups=1, conv_kernel=4, expand=2, chunk_size=16, max_position_embeddings=512)),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", _base(head_dim=8, mamba_d_ssm=64, **_MAMBA2)),
+    "jamba": ("JambaConfig", "JambaForCausalLM", _base(
+        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
+        num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, use_mamba_kernels=False)),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", _base(
+        head_dim=8, linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention"], kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=8, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        mlp_layer_types=["dense", "sparse"], num_key_value_heads=4, pad_token_id=0)),
+    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", _base(
+        layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, pad_token_id=0)),
     # LFM2: a depthwise conv1d (kernel conv_L_cache = 3) over `b s c` transposed, sliced to the first s
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", _base(layer_types=["conv", "full_attention"], block_multiple_of=16)),
 }

@@ -115,9 +115,11 @@ def find_seq_regions(graph: Graph, pos: dict[str, SeqPos], heavy: set[str], leng
     producer, readers, outputs = graph.index()
 
     def whole(v: Var) -> bool:
+        # the sequence in one plain dim; a value with two (scores of a block that spans the whole sequence)
+        # is pairs of positions, made and read inside a region
         p = pos.get(v.name)
         return (v.dtype is not None and p is not None and 0 <= p.dim < v.ndim
-                and p.length(v) == length and p.outer == 1 and p.inner == 1)
+                and p.length(v) == length and p.outer == 1 and p.inner == 1 and v.shape.count(length) == 1)
 
     seeds = []
     for k, e in enumerate(graph.eqns):
