@@ -152,8 +152,9 @@ class _Rewriter:
             return self.emit(aten.select_scatter.default, (base, value, rest[0], rest[1]), {}, like, source)
         if name == "diagonal":
             return self.emit(aten.diagonal_scatter.default, (base, value, *rest), {}, like, source)
-        if name in ("view", "_unsafe_view", "reshape", "alias", "detach", "unsqueeze", "squeeze", "flatten",
-                    "unflatten", "view_as", "reshape_as", "expand_as") and value.numel() == base.numel():
+        aliased = name in ("to", "type_as") and value.dtype == base.dtype    # a cast to the dtype it has: itself
+        if (name in ("view", "_unsafe_view", "reshape", "alias", "detach", "unsqueeze", "squeeze", "flatten",
+                     "unflatten", "view_as", "reshape_as", "expand_as") or aliased) and value.numel() == base.numel():
             return self.emit(aten.reshape.default, (value, list(base.shape)), {}, like, source)
         if name in ("transpose", "t", "permute"):
             perm = _permutation(name, args, base.ndim)

@@ -110,7 +110,7 @@ def find_seq_regions(graph: Graph, pos: dict[str, SeqPos], heavy: set[str], leng
                      skip: set[int] = frozenset()) -> list[SeqRegion]:
     """Head-parallel regions of a global forward graph (`pos`: sequence dims, `heavy`: activations,
     `length`: the sequence length, `ranks`: sp; `skip`: equations already claimed by attention)."""
-    if ranks <= 1 or not length:
+    if not length:
         return []
     producer, readers, outputs = graph.index()
 
@@ -194,7 +194,7 @@ def _heads(graph, eqns, producer, readers, outputs, whole, heavy, batch, pos, ra
                 entries.append(x.name)
     exits = {o.name for k in order for o in graph.eqns[k].outputs
              if o.name in outputs or any(r not in eqns for r in readers.get(o.name, ()))}
-    if not entries or any(not whole(_var(graph, n, producer)) for n in exits if n in made):
+    if not entries or not exits or any(not whole(_var(graph, n, producer)) for n in exits if n in made):
         return None
     adj: dict[str, list] = defaultdict(list)
     for k in order:
