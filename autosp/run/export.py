@@ -51,7 +51,8 @@ def load_run(run: str, step: int | None = None, rope: tuple = (None, None)):
     if step not in found:
         raise AutospError(f"{run}: no checkpoint step-{step} (it has {', '.join(f'step-{s}' for s in sorted(found))})."
                           f" Fix: --step {max(found)}.")
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    from autosp.run.models import with_attention
+    model = with_attention(AutoModelForCausalLM.from_config, cfg, dtype=torch.float32)
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():            # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)

@@ -177,6 +177,17 @@ def _config_from_path(path: str):
     return cfg, weights
 
 
+def with_attention(make, *args, **kwargs):
+    """make(..., attn_implementation="sdpa"), which autosp shards as Ulysses attention; a model whose class has
+    no SDPA path (Mamba, Mamba-2: no attention; gpt-oss: sinks) is built with its eager code instead."""
+    try:
+        return make(*args, attn_implementation="sdpa", **kwargs)
+    except ValueError as exc:
+        if "scaled_dot_product_attention" not in str(exc):
+            raise
+        return make(*args, attn_implementation="eager", **kwargs)
+
+
 def build_model(spec: ModelSpec, *, seed: int = 0, device: str = "cpu", dtype=None):
     """A causal LM for the spec: the folder's weights if it has them, else random init seeded by `seed`
     (the same parameters on every rank). On the meta device nothing is allocated."""
@@ -187,11 +198,11 @@ def build_model(spec: ModelSpec, *, seed: int = 0, device: str = "cpu", dtype=No
     torch.manual_seed(seed)
     try:
         if spec.weights is not None and device != "meta":
-            model = AutoModelForCausalLM.from_pretrained(spec.weights, local_files_only=True, dtype=dtype,
-                                                         attn_implementation="sdpa")
+            model = with_attention(AutoModelForCausalLM.from_pretrained, spec.weights, local_files_only=True,
+                                   dtype=dtype)
         else:
             with torch.device(device):
-                model = AutoModelForCausalLM.from_config(spec.config, attn_implementation="sdpa")
+                model = with_attention(AutoModelForCausalLM.from_config, spec.config)
     except ValueError as exc:
         raise AutospError(f"--model {spec.name}: transformers cannot build a causal LM from it ({exc}). "
                           "Fix: pass a config of a causal language model (e.g. model_type 'llama').") from None
@@ -208,6 +219,8 @@ def count_parameters(model) -> int:
 def describe(spec: ModelSpec) -> str:
     c = spec.config
     kind = PRESETS[spec.name].about if spec.name in PRESETS else f"{c.model_type} from {spec.name}"
-    return (f"{spec.name} ({kind}; {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
-            f"{c.num_attention_heads}/{getattr(c, 'num_key_value_heads', c.num_attention_heads)} heads, "
+    heads = getattr(c, "num_attention_heads", None)
+    heads = (f"{heads}/{getattr(c, 'num_key_value_heads', None) or heads} heads" if heads
+             else f"{getattr(c, 'num_heads', '?')} SSM heads, no attention")
+    return (f"{spec.name} ({kind}; {c.num_hidden_layers} layers, hidden {c.hidden_size}, {heads}, "
             f"vocab {c.vocab_size}" + (", weights from the folder" if spec.weights else ", random init") + ")")
