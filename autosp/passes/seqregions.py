@@ -112,6 +112,10 @@ def find_seq_regions(graph: Graph, pos: dict[str, SeqPos], heavy: set[str], leng
     `length`: the sequence length, `ranks`: sp; `skip`: equations already claimed by attention)."""
     if not length:
         return []
+    # calls of ops declared with autosp.sequence_op: a region of one equation each, its head dims declared
+    from autosp.sequence_op import declared_regions
+    declared = declared_regions(graph, pos, heavy, length, ranks, skip)
+    skip = set(skip) | {k for r in declared for k in r.eqns}
     producer, readers, outputs = graph.index()
 
     def whole(v: Var) -> bool:
@@ -151,7 +155,7 @@ def find_seq_regions(graph: Graph, pos: dict[str, SeqPos], heavy: set[str], leng
         region = _heads(graph, eqns, producer, readers, outputs, whole, heavy, batch, pos, ranks)
         if region is not None:
             regions.append(region)
-    return regions
+    return sorted(declared + regions, key=lambda r: min(r.eqns))
 
 
 def _grow(graph, seed, producer, readers, outputs, whole, heavy, pos, skip) -> set[int] | None:
