@@ -383,6 +383,7 @@ LINK_RULES: dict[str, Callable[[Eqn], list[Link]]] = {
 for _n in _SAME_NAMES:
     LINK_RULES[_n] = links_index if _n in {"slice", "narrow", "pad", "cumsum", "roll", "flip"} else links_same
 LINK_RULES["repeat_interleave"] = links_repeat_interleave
+LINK_RULES["copy_.default"] = links_same          # dst.copy_(src): the output is dst, src broadcast into it
 LINK_RULES["repeat"] = links_repeat
 for _n in ELEMENTWISE_UNTAGGED:
     LINK_RULES[_n] = links_same
