@@ -374,9 +374,11 @@ def explain(fn, mesh, *args, in_specs=None, memory_budget=None, host_bandwidth=N
     head = (f"# autosp.explain: sp={mesh_info(mesh).sp_size}, {len(graph.eqns)} global equations -> "
             f"{len(local.eqns)} per-rank, collectives: "
             + ", ".join(f"{n}x{sum(e.op.name == n for e in colls)}" for n in sorted({e.op.name for e in colls})))
+    from autosp.passes.dce import dce
     from autosp.passes.shard import analyse
     sharded = Sharded(fn, mesh, in_specs, ring=ring)
-    regions = analyse(graph, mesh_info(mesh), _flat_specs(sharded.in_specs, args, graph)).summary(graph)
+    live = dce(graph)
+    regions = analyse(live, mesh_info(mesh), _flat_specs(sharded.in_specs, args, graph)).summary(live)
     parts = [head, regions, attention_summary(local, device, mesh_info(mesh).sp_size)]
     state = model_state_summary(local)
     if state:

@@ -157,6 +157,7 @@ def shard_graph(graph: Graph, mesh: MeshInfo, *, in_specs=None, keep_sharded=(),
     layout): the per-rank graph takes the shard and gathers it (all_gather_param), whose backward
     reduce-scatters the gradient; schedule_gathers then issues each gather a layer ahead of use."""
     params = params or {}
+    graph = dce(graph)              # what nothing reads (a model's unused chunked copy) needs no rule
     found = analyse(graph, mesh, in_specs)
     pos, heavy, free, length = found.pos, found.heavy, found.free, found.length
     chunk = -(-length // mesh.sp_size)

@@ -122,9 +122,11 @@ def explain_model(step, *, full: bool = False, png: str | None = None) -> str:
     lines += [f"  {n:5d}  {kind}" for kind, n in _layouts(p.local).most_common()]
     lines += ["collectives in the forward (the backward runs their transposes):"] + _collectives(p.local)
     from autosp.api import mesh_info
+    from autosp.passes.dce import dce
     from autosp.passes.shard import analyse
     with fake_world(step.world):
-        lines += [line[2:] for line in analyse(p.graph, mesh_info(tracer.mesh)).summary(p.graph).splitlines()]
+        live = dce(p.graph)
+        lines += [line[2:] for line in analyse(live, mesh_info(tracer.mesh)).summary(live).splitlines()]
     recomputed = [e for e in prog.backward.eqns if _short(e.op.name) == "all_to_all"]
     n_a2a = sum(_short(e.op.name) == "all_to_all" for e in none_prog.backward.eqns)
     lines += [f"all-to-alls in the backward: {n_a2a} without remat, {len(recomputed)} with the plan "
