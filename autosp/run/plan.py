@@ -410,7 +410,13 @@ def check_affine(a: list, l1: int, b: list, l2: int) -> None:
                           f"solved for from two traces ({l1:,} and {l2:,} tokens). Fix: plan with autosp.plan at the "
                           "lengths you need (the Python API).")
     if [op for op, _ in a] != [op for op, _ in b]:
-        fail("the program differs between the two lengths")
+        raise AutospError(
+            f"autosp plan: the program has {len(a) - 1:,} equations at {l1:,} tokens and {len(b) - 1:,} at {l2:,}: the "
+            "model runs a Python loop along the sequence (a recurrence's torch reference path: one pass per chunk "
+            "or per position), so its memory cannot be solved for from two traces. Fix: run the model with its "
+            "kernel declared as one op (autosp.sequence_op; autosp.kernels.sequence_ops declares fla's, "
+            "mamba_ssm's and causal_conv1d's where they are installed), or plan one length at a time with "
+            "--seq-len (fits or not, at that length's own trace).")
     for (op, xs), (_, ys) in zip(a, b):
         for x, y in zip(xs, ys):
             moved = [(d, e) for d, e in zip(x, y) if d != e]
