@@ -122,6 +122,13 @@ HF_2026 = {
         linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, pad_token_id=0)),
     # LFM2: a depthwise conv1d (kernel conv_L_cache = 3) over `b s c` transposed, sliced to the first s
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", _base(layer_types=["conv", "full_attention"], block_multiple_of=16)),
+    # DeepSeek sparse attention: MLA whose mask keeps each query's top 8 keys by a lightweight indexer (2 index
+    # heads of 8 over the whole sequence, no grad), a bool mask `&` the causal one; MoE on layer 1
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", _base(
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
+        v_head_dim=8, n_group=1, topk_group=1, num_key_value_heads=4, index_topk=8, index_head_dim=8,
+        index_n_heads=2)),
 }
 
 

@@ -105,12 +105,24 @@ def links_linear(e: Eqn) -> list[Link]:
 def links_matmul(e: Eqn) -> list[Link]:
     out = e.outputs[0]
     a, b = e.inputs[0], e.inputs[1] if len(e.inputs) > 1 else None
-    res = [dim_link(a, out, {i: i + out.ndim - a.ndim for i in range(a.ndim - 1) if i + out.ndim - a.ndim >= 0})]
+    rows = {i: i + out.ndim - a.ndim for i in range(a.ndim - 1) if i + out.ndim - a.ndim >= 0}
+    res = [dim_link(a, out, rows)]
     if b is not None and b.ndim >= 2:
         m = {b.ndim - 1: out.ndim - 1}
         m.update({i: i + out.ndim - b.ndim for i in range(b.ndim - 2) if b.shape[i] != 1})
-        res.append(dim_link(b, out, m))
+        link = dim_link(b, out, m)
+        if any(j < out.ndim - 1 and out.shape[j] == out.shape[-1] for j in rows.values()):
+            # scores of every row against every column (an indexer's q @ k^T): two sequence dims. The
+            # rows are the sequence (each rank its queries, the columns whole: query_rows.py), whichever
+            # side the search reaches the value from first
+            link = WeakLink(link)
+        res.append(link)
     return res
+
+
+class WeakLink(tuple):
+    """A link that places a sequence only where no ordinary link does (infer_seq_positions tries it last)."""
+    __slots__ = ()
 
 
 def links_embedding(e: Eqn) -> list[Link]:
@@ -416,22 +428,32 @@ def infer_seq_positions(graph: Graph, seeds: dict[str, SeqPos] | None = None, re
         inside |= r.eqns
         for v in (r.q, r.k, r.v, r.out):
             pos.setdefault(v.name, SeqPos(v.ndim - 2))
-    adj: dict[str, list[tuple[Var, Map]]] = defaultdict(list)
+    adj: dict[str, list[tuple[Var, Map, bool]]] = defaultdict(list)
     for k, e in enumerate(graph.eqns):
         if k in inside:
             continue
-        for a, b, fwd, bwd in links_for(e):
-            adj[a.name].append((b, fwd))
-            adj[b.name].append((a, bwd))
-    work = list(pos)
-    while work:
+        for link in links_for(e):
+            a, b, fwd, bwd = link
+            adj[a.name].append((b, fwd, isinstance(link, WeakLink)))
+            adj[b.name].append((a, bwd, False))
+    work, deferred = list(pos), []
+    while work or deferred:
+        if not work:                        # every ordinary link followed: the weak ones, in order
+            other, q = deferred.pop(0)
+            if other.name not in pos:
+                pos[other.name] = q
+                work.append(other.name)
+            continue
         name = work.pop()
         p = pos[name]
-        for other, f in adj.get(name, ()):
+        for other, f, weak in adj.get(name, ()):
             q = f(p)
             if q is None or other.name in pos:
                 continue
             if not (0 <= q.dim < other.ndim) or other.shape[q.dim] % (q.outer * q.inner) or q.length(other) <= 1:
+                continue
+            if weak:
+                deferred.append((other, q))
                 continue
             pos[other.name] = q
             work.append(other.name)

@@ -619,6 +619,16 @@ def index_rule(ctx: ShardCtx, e: Eqn) -> None:
         links_ok = first is not None and x.layout.dim < first and all(t.layout is None for t in idx)
     if not links_ok:
         return gather_fallback(ctx, e)
+    indices = list(b.get("indices") or [])
+    p = ctx.pos.get(e.inputs[0].name)
+    if x.layout is None and p is not None and p.dim < len(indices) and indices[p.dim] is not None:
+        # the indices carry the sequence, with global values: the table they read stays whole even where
+        # it has a sequence dim of its own (positions read at the query indices of a causal mask's rows)
+        ins = [x] + [ctx.as_sharded(t, e.source) if t.name in ctx.pos else ctx.env[t.name] for t in e.inputs[1:]]
+        length = min(v.layout.length for v in ins[1:] if v.layout is not None)
+        args, kwargs = e.bind(ins)
+        ctx.env[out.name] = ctx.emit(e.op.target, args, kwargs, source=e.source, layouts=[ctx.layout_for(out, length)])
+        return
     positionwise(ctx, e, force=True)
 
 
@@ -725,3 +735,4 @@ def rule_for(e: Eqn) -> Rule:
 
 # op families in modules of their own register into RULES (and seqdims.LINK_RULES) on import
 import autosp.passes.halo  # noqa: E402,F401 - convolutions along the sequence
+import autosp.passes.query_rows  # noqa: E402,F401 - values with two sequence dims (a sparse-attention indexer)
