@@ -24,7 +24,9 @@ from tests.models import assert_every_rank, assert_peak
 # name -> (all-to-alls, sequence gathers) a rank's program holds (two layers)
 EXPECTED = {"qwen3_next": (8, 0), "qwen3_5": (8, 0), "mamba2": (12, 0), "mamba": (6, 4), "minimax": (6, 0),
             "gpt_oss": (4, 0), "llama4": (4, 0), "bamba": (8, 0), "granite4": (8, 0), "nemotron_h": (8, 0),
-            "falcon_h1": (16, 0), "jamba": (5, 2), "kimi_linear": (12, 0), "olmo_hybrid": (8, 0)}
+            "falcon_h1": (16, 0), "jamba": (5, 2), "kimi_linear": (11, 0), "olmo_hybrid": (8, 0)}
+# (Kimi-Linear at 45 tokens runs one chunk of 64: three of its per-chunk values are 45 long, so they leave and
+# re-enter the region -- exact, 3 all-to-alls more than at 130, where it holds 8)
 SP4 = ["qwen3_next", "mamba2", "mamba", "minimax", "gpt_oss"]
 DP = ["qwen3_5", "mamba2", "minimax"]
 
