@@ -28,10 +28,20 @@ def grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     return NotImplemented
 
 
+def histc(x, bins=100, min=0, max=0):
+    """aten.histc while tracing. transformers counts tokens per expert with `histc(ids.int())` off the CPU (CUDA's
+    kernel takes integers, the CPU's and the meta kernel do not): a meta trace of a model meant for a GPU
+    reaches it. The counts of integer ids are the float histogram's, in the ids' dtype."""
+    if x.dtype.is_floating_point:
+        return NotImplemented
+    return aten.histc.default(x.to(torch.float32), bins, min, max).to(x.dtype)
+
+
 def trace_decompositions() -> dict:
     """The table make_fx applies while autosp traces; an op this torch lacks is left out."""
     table = {}
     op = getattr(aten, "_grouped_mm", None)   # not in every torch
     if op is not None:
         table[op.default] = grouped_mm
+    table[aten.histc.default] = histc
     return table

@@ -137,18 +137,26 @@ def _arange_end(e: Eqn):
     return args[0] if e.op.target is aten.arange.default and args else None
 
 
+_CASTS = {"to.dtype", "_to_copy.default", "to.dtype_layout"}
+
+
 def _is_count(graph, x, producer) -> bool:
     p = producer.get(x.name)
+    while p is not None and graph.eqns[p].op.name in _CASTS:       # counts cast back to the ids' dtype
+        p = producer.get(graph.eqns[p].inputs[0].name)
     return p is not None and graph.eqns[p].op.name == "histc"
 
 
 def _counts_are_offsets(graph, k, readers) -> bool:
-    """histc whose counts only become offsets: cumsum, read only as grouped_mm's offsets."""
+    """histc whose counts only become offsets: cumsum (perhaps of a cast), read only as grouped_mm's offsets."""
     e = graph.eqns[k]
-    if e.op.name != "histc":
+    if e.op.name not in ("histc", *_CASTS) or e.op.name in _CASTS and not _is_count(graph, e.outputs[0], {
+            o.name: j for j, q in enumerate(graph.eqns) for o in q.outputs}):
         return False
     for r in readers.get(e.outputs[0].name, ()):
         c = graph.eqns[r]
+        if c.op.name in _CASTS and _counts_are_offsets(graph, r, readers):
+            continue
         if c.op.name != "cumsum":
             return False
         for u in readers.get(c.outputs[0].name, ()):
