@@ -80,3 +80,17 @@ def test_grouped_mm_form_without_fp32_fake_kernel_error_names_the_forms():
     offs = torch.tensor([4, 12], dtype=torch.int32)
     with pytest.raises(autosp.AutospError, match=r"(?s)grouped_mm.*\(M, K\) x \(G, K, N\).*batched_mm"):
         autosp.trace(lambda x, w, o: eager_grouped_mm(x, w, offs=o), a, b, offs)
+
+
+def test_integer_histc_traces_on_meta_and_counts_as_the_float_histogram():
+    """transformers counts tokens per expert with histc(ids.int()) off the CPU; a meta trace (autosp plan/train
+    of a MoE config) reaches it, and the meta kernel takes floats only: traced as the float histogram, cast back."""
+    from autosp.trace import trace
+
+    def count(ids):
+        return torch.histc(ids.int(), bins=4, min=0, max=3)
+    graph = trace(count, torch.zeros(10, dtype=torch.long, device="meta"))
+    ids = torch.tensor([0, 3, 3, 1, 2, 3, 0, 9, 1, 1])
+    out = graph(ids)
+    got = out[0] if isinstance(out, (tuple, list)) else out
+    assert got.dtype == torch.int32 and got.tolist() == torch.histc(ids.float(), 4, 0, 3).int().tolist()
