@@ -277,16 +277,14 @@ def _worker(a, worker=None) -> int:
 # ---------------------------------------------------------------- plan, explain
 
 def _plan(a) -> int:
-    from autosp.run.answer import at_length, longest
+    from autosp.run.answer import answer
     from autosp.run.config import step_of
-    step = step_of(a, "plan")
-    if step.seq_len is not None:
-        fit = at_length(step)
-        print(fit.text(), flush=True)
-        return 0 if fit.fits else 2
-    report = longest(step, granularity=a.granularity)
-    print(report.text, flush=True)
-    return 0 if report.ok else 2
+    said = answer(step_of(a, "plan"), a.granularity)
+    print(said.text, flush=True)
+    if said.stored is not None:        # stdout is the answer as first printed; where it came from goes apart
+        print(f"autosp plan: the answer kept when these flags were first planned, read from {said.stored} "
+              "(AUTOSP_PLAN_CACHE=off plans afresh)", file=sys.stderr, flush=True)
+    return 0 if said.ok else 2
 
 
 def _explain(a) -> int:

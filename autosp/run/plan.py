@@ -445,8 +445,12 @@ def probe(tracer, l1: int, l2: int, device: str, offload: bool, parallel: bool =
 
 def _both(first, second, parallel: bool = True):
     """first() here and second() in a forked child at the same time (planning is single-threaded
-    Python; a second core halves it); sequential where fork is not available."""
+    Python; a second core halves it); sequential where fork is not available. The child's MIPs ended by their
+    time limit count as this process's (solve.time_limits)."""
     import pickle
+
+    from autosp.remat import solve
+    from autosp.remat.solve import time_limits
     if not parallel or not hasattr(os, "fork"):
         return first(), second()
     r, w = os.pipe()
@@ -455,10 +459,12 @@ def _both(first, second, parallel: bool = True):
         code = 0
         try:
             os.close(r)
+            limited = time_limits()
             try:
                 out = ("ok", second())
             except BaseException as exc:  # noqa: BLE001 - sent to the parent, raised there
                 out = ("error", exc)
+            out += (time_limits() - limited,)
             data = pickle.dumps(out)
             with os.fdopen(w, "wb") as f:
                 f.write(data)
@@ -475,7 +481,9 @@ def _both(first, second, parallel: bool = True):
         os.waitpid(pid, 0)
     if not data:
         raise AutospError("autosp plan: the planning subprocess died. Fix: rerun; if it persists, report it.")
-    status, b = pickle.loads(data)
+    status, b, limited = pickle.loads(data)
+    # the child's MIPs cut short by their time limit are this plan's: what it answers is then not kept (store.py)
+    solve._LIMITED[0] += limited
     if status == "error":
         raise b
     return a, b
