@@ -447,6 +447,7 @@ def _both(first, second, parallel: bool = True):
     """first() here and second() in a forked child at the same time (planning is single-threaded
     Python; a second core halves it); sequential where fork is not available. The child's MIPs ended by their
     time limit count as this process's (solve.time_limits)."""
+    import gc
     import pickle
 
     from autosp.remat import solve
@@ -454,7 +455,10 @@ def _both(first, second, parallel: bool = True):
     if not parallel or not hasattr(os, "fork"):
         return first(), second()
     r, w = os.pipe()
+    gc.freeze()             # the child's collections leave what it inherits unscanned (and its pages unshared)
     pid = os.fork()
+    if pid != 0:
+        gc.unfreeze()
     if pid == 0:                                      # the child: compute, send, leave without cleanup
         code = 0
         try:
