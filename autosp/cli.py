@@ -277,19 +277,10 @@ def _worker(a, worker=None) -> int:
 # ---------------------------------------------------------------- plan, explain
 
 def _plan(a) -> int:
-    import gc
-
-    from autosp.run.answer import answer
+    from autosp.run.answer import answer, full_collections_rarely
     from autosp.run.config import step_of
-    # planning makes graphs of 10^5-10^6 objects, and each full collection scans every one of them: at the default
-    # (one per 10 of the middle generation's) they were 10 % of `autosp plan --model tiny`'s time; the young
-    # generations, which free the cycles made and dropped within a pass, run as often as before
-    thresholds = gc.get_threshold()
-    gc.set_threshold(thresholds[0], thresholds[1], max(thresholds[2], 100))
-    try:
+    with full_collections_rarely():
         said = answer(step_of(a, "plan"), a.granularity)
-    finally:
-        gc.set_threshold(*thresholds)
     print(said.text, flush=True)
     if said.stored is not None:        # stdout is the answer as first printed; where it came from goes apart
         print(f"autosp plan: the answer kept when these flags were first planned, read from {said.stored} "

@@ -185,6 +185,20 @@ def _question(step: Step, granularity: int | None) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
+def full_collections_rarely():
+    """Python's full collections a tenth as often as by default, within: planning makes graphs of 10^5-10^6
+    objects and each full collection scans every one (10 % of `autosp plan --model tiny`'s time); the young
+    generations, which free the cycles a pass makes and drops, run as often as before."""
+    import gc
+    thresholds = gc.get_threshold()
+    gc.set_threshold(thresholds[0], thresholds[1], max(thresholds[2], 100))
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+
+
+@contextlib.contextmanager
 def _as_ranks_run(step: Step):
     """Plan a CPU step at the thread count its ranks run with (launch.rank_threads: the cores shared out), not this
     process's: ATen's CPU attention holds scratch per thread (1 MiB a thread for a 256 x 512 block in fp32), and a
