@@ -277,16 +277,15 @@ def _worker(a, worker=None) -> int:
 # ---------------------------------------------------------------- plan, explain
 
 def _plan(a) -> int:
-    from autosp.run.answer import at_length, longest
+    from autosp.run.answer import answer, full_collections_rarely
     from autosp.run.config import step_of
-    step = step_of(a, "plan")
-    if step.seq_len is not None:
-        fit = at_length(step)
-        print(fit.text(), flush=True)
-        return 0 if fit.fits else 2
-    report = longest(step, granularity=a.granularity)
-    print(report.text, flush=True)
-    return 0 if report.ok else 2
+    with full_collections_rarely():
+        said = answer(step_of(a, "plan"), a.granularity)
+    print(said.text, flush=True)
+    if said.stored is not None:        # stdout is the answer as first printed; where it came from goes apart
+        print(f"autosp plan: the answer kept when these flags were first planned, read from {said.stored} "
+              "(AUTOSP_PLAN_CACHE=off plans afresh)", file=sys.stderr, flush=True)
+    return 0 if said.ok else 2
 
 
 def _explain(a) -> int:
@@ -366,6 +365,8 @@ def _export(a) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line's exit code; `argv` None: the process's own arguments, and a plan leaves at once (_leave)."""
+    own = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parser().parse_args(argv)
     if a.verb is None:
@@ -376,7 +377,10 @@ def main(argv: list[str] | None = None) -> int:
         if a.verb == "train":
             return _train(a, argv)
         if a.verb == "plan":
-            return _plan(a)
+            code = _plan(a)
+            if own:
+                _leave(code)
+            return code
         if a.verb == "eval":
             return _eval(a, argv)
         if a.verb == "export":
@@ -391,6 +395,15 @@ def main(argv: list[str] | None = None) -> int:
             from autosp.run.launch import record_failure
             record_failure(exc)
         return 2
+
+
+def _leave(code: int) -> None:
+    """End the process now, its output flushed: a plan leaves graphs, fake tensors and joints that the interpreter's
+    teardown frees one object at a time (1 s of `autosp plan --model tiny`'s 12, bench/RESULTS.md "Planning time"),
+    and nothing is left to write or close (kept entries are renamed into place, the forked helpers waited for)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

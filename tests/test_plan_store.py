@@ -279,3 +279,154 @@ def test_ranks_read_the_kept_plan_and_run_it_exactly(tmp_path):
     path = os.path.join(folder, os.listdir(folder)[0])
     assert [s for s, _ in again] == [path, path]                      # rank 0 read it and broadcast it
     assert again[0][1] == again[1][1] == first[0][1] and any(a == "recompute" for _, a in first[0][1])
+
+
+# ---------------------------------------------------------------- `autosp plan`'s whole answer, kept
+
+TINY = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096}
+
+
+@pytest.fixture
+def answers(tmp_path, monkeypatch):
+    """Answers (and the plans under them) kept in a folder of the test's own; no fake world (the command makes its
+    own)."""
+    folder = tmp_path / "plans"
+    monkeypatch.setenv("AUTOSP_PLAN_CACHE", str(folder))
+    monkeypatch.setattr(store, "_WARNED", False)
+    return folder
+
+
+def _model(folder, **changed) -> str:
+    import json
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(dict(TINY, **changed)))
+    return str(folder)
+
+
+def _answer_key(*argv: str) -> str:
+    from autosp.cli import parser
+    from autosp.run.answer import _question
+    from autosp.run.config import step_of
+    a = parser().parse_args(["plan", *argv])
+    return store.answer_key(*_question(step_of(a, "plan"), a.granularity))
+
+
+def test_the_answer_key_is_what_the_answer_depends_on(tmp_path, monkeypatch):
+    """One argument, one config value, one byte of autosp's sources, the environment the planner reads: each
+    changes the key (a miss: planned afresh); what the answer does not read (where the cache is) does not."""
+    model = _model(tmp_path / "m")
+    flags = ["--model", model, "--sp", "2", "--memory", "4MiB"]
+    base = _answer_key(*flags)
+    assert _answer_key(*flags) == base
+    monkeypatch.setenv("AUTOSP_PLAN_CACHE", str(tmp_path / "elsewhere"))
+    assert _answer_key(*flags) == base
+    others = [_answer_key(*flags[:3], "4", *flags[4:]), _answer_key(*flags[:5], "5MiB"),
+              _answer_key(*flags, "--granularity", "256"), _answer_key(*flags, "--seq-len", "1024"),
+              _answer_key(*flags, "--offload"), _answer_key(*flags, "--no-tile"), _answer_key(*flags, "--gpu", "h100"),
+              _answer_key(*flags, "--gpu", "h200"), _answer_key(*flags, "--precision", "bf16"),
+              _answer_key("--model", "tiny", *flags[2:])]
+    _model(tmp_path / "m", vocab_size=128)                            # one config value, same path
+    others.append(_answer_key(*flags))
+    _model(tmp_path / "m")
+    assert _answer_key(*flags) == base
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")                         # the threads a CPU plan is priced at
+    others.append(_answer_key(*flags))
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setenv("AUTOSP_MASK_FUNCTIONS", "0")                   # the sharding pass reads it
+    others.append(_answer_key(*flags))
+    monkeypatch.delenv("AUTOSP_MASK_FUNCTIONS")
+    import importlib.metadata
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0" if name == "transformers" else real(name))
+    others.append(_answer_key(*flags))                                 # it builds and traces the model
+    monkeypatch.setattr(importlib.metadata, "version", real)
+    import autosp.sources
+    monkeypatch.setattr(autosp.sources, "digest", lambda: "other sources")
+    others.append(_answer_key(*flags))
+    assert len(set(others)) == len(others) and base not in others
+
+
+def test_the_sources_digest_changes_with_one_byte(tmp_path):
+    """autosp.sources.digest, on a copy of the package's sources: one byte of one file changes it."""
+    import importlib.util
+    import shutil
+
+    import autosp.sources
+    root = os.path.dirname(autosp.sources.__file__)
+    copy = tmp_path / "autosp"
+    shutil.copytree(root, copy, ignore=shutil.ignore_patterns("__pycache__"))
+
+    def digest() -> str:
+        spec = importlib.util.spec_from_file_location("sources_copy", copy / "sources.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)                                # its own cache: digested afresh
+        return module.digest()
+    first = digest()
+    assert first == digest() == autosp.sources.digest()
+    target = copy / "run" / "answer.py"
+    text = target.read_bytes()
+    target.write_bytes(text.replace(b"Planned in", b"Planned in ", 1))
+    assert digest() != first
+
+
+def test_a_repeated_plan_is_answered_from_the_cache_byte_for_byte(answers, tmp_path, monkeypatch, capsys):
+    """`autosp plan` asked again prints what it printed (stdout byte for byte, its exit code), traces and
+    differentiates nothing, and says on stderr where the answer came from."""
+    import autosp.passes.autodiff
+    import autosp.run.answer
+    from autosp.cli import main
+    argv = ["plan", "--model", _model(tmp_path / "m"), "--sp", "2", "--seq-len", "1024", "--memory", "4MiB"]
+    assert main(argv) == 0
+    cold = capsys.readouterr()
+    assert "train it:" in cold.out and "plan cache" not in cold.err
+    entries = set(answers.glob("*.plan"))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("traced or differentiated again: the kept answer was not read")
+    monkeypatch.setattr(autosp.run.answer, "_tracer", refuse)
+    monkeypatch.setattr(autosp.passes.autodiff, "differentiate", refuse)
+    assert main(argv) == 0
+    warm = capsys.readouterr()
+    assert warm.out == cold.out
+    (path,) = [p for p in entries if store.load(p.stem)[0] == "answer"]
+    assert f"read from {path} (AUTOSP_PLAN_CACHE=off plans afresh)" in warm.err
+    assert set(answers.glob("*.plan")) == entries
+
+
+def test_an_answer_is_kept_with_its_verdict_unless_a_mip_was_cut_short(answers, monkeypatch):
+    """A refusal is kept as refused (exit code 2 again); an answer of which a MIP, here or in a forked helper
+    (plan._both), ended by its time limit is not kept."""
+    import autosp.run.answer as answer
+    from autosp.remat import solve
+    from autosp.run.config import Step
+    from autosp.run.plan import _both
+
+    class Refused:
+        fits = False
+
+        def text(self):
+            return "no"
+    asked = []
+    monkeypatch.setattr(answer, "at_length", lambda step: asked.append(step) or Refused())
+    step = Step("tiny", sp=2, seq_len=4096, memory="1MiB")
+    assert answer.answer(step) == answer.Answer("no", False)
+    said = answer.answer(step)
+    assert len(asked) == 1 and not said.ok and said.text == "no" and said.stored is not None
+
+    class Report:
+        text, ok = "the longest", True
+    monkeypatch.setattr(answer, "longest", lambda step, granularity: asked.append(granularity) or Report())
+    assert answer.answer(step.with_length(None), 512) == answer.Answer("the longest", True)
+    assert answer.answer(step.with_length(None), 512).stored is not None and asked[1:] == [512]
+    assert answer.answer(step.with_length(None), 256).stored is None and asked[1:] == [512, 256]   # another question
+
+    def cut_short():
+        solve._LIMITED[0] += 1                      # as a MIP ended by its time limit counts itself
+        return 2
+    before = solve.time_limits()
+    assert _both(lambda: 1, lambda: 2) == (1, 2) and solve.time_limits() == before
+    assert _both(lambda: 1, cut_short) == (1, 2) and solve.time_limits() == before + 1     # the child's, counted
+    monkeypatch.setattr(answer, "at_length", lambda step: _both(Refused, cut_short)[0])
+    other = step.with_length(8192)
+    assert answer.answer(other).stored is None and answer.answer(other).stored is None      # planned each time

@@ -1,14 +1,19 @@
-"""Plans kept on disk: a step planned once is not planned again by the next run of the same step.
+"""Plans kept on disk: a step planned once is not planned again by the next run of the same step, and a question
+`autosp plan` answered once is answered again from disk.
 
 Planning is most of a warm start (bench/RESULTS.md, "plans kept on disk": `autosp train --model tiny --sp 2
 --seq-len 4096 --memory 24MiB` spent 20 s of its first rank's 30 s before the first step in the planner). A run that
 is started again (a resume, the next experiment at the same length, `autosp plan`'s printed command) reads the plan
-back instead.
+back instead. Entries come in two layers, one folder, one format:
 
-An entry is what the planning rank broadcasts (compile_step): the Plan, the values saved, recomputed and offloaded,
-and the tiling; at a hit the joint program is differentiated again, the plan applied to it and the result simulated
-again (remat/__init__.py, _planned: the Plan's peak_bytes is the simulation's, not the stored one). A refused budget
-is kept too (its message and least peak). The key is everything a plan is a function of:
+    plan      what the planning rank broadcasts (compile_step): the Plan, the values saved, recomputed and
+              offloaded, and the tiling; at a hit the joint program is differentiated again, the plan applied to
+              it and the result simulated again (remat/__init__.py, _planned: the Plan's peak_bytes is the
+              simulation's, not the stored one). A refused budget is kept too (its message and least peak).
+    answer    `autosp plan`'s whole answer to one command line (run/answer.py, answer): the text it printed and
+              whether it fits. A hit traces and differentiates nothing; the plans under it stay kept for train.
+
+A plan's key is everything a plan is a function of:
 
     the per-rank program as printed   every equation, shape, dtype, layout and name the plan refers to
     the budget, the device's model    the budget as given, the cost model (device_for: link, FLOP/s), the host
@@ -18,16 +23,21 @@ is kept too (its message and least peak). The key is everything a plan is a func
     what made it                      autosp's sources, torch's version (the joint is derived again at a hit),
                                       scipy's (HiGHS), Python's (pickle)
 
+An answer's key is the question as normalised (the Step, the granularity), what the answer reads besides (the model
+config's bytes, transformers' version, the device's model, the thread count, the AUTOSP_ environment) and what made
+it, as above (answer_key).
+
 An entry is a pickle, and unpickling runs code, so only what this user alone could have written is read: the
 folder and the entry must belong to this process's uid and be writable by no group or other user. Otherwise the
 entry is ignored (planned afresh, nothing written there), and the process says so once, with the path and the fix.
 autosp makes the folder (and each parent it makes) 0o700, an entry 0o600, and writes it atomically (a temporary
 file renamed over it); an entry that is a symbolic link is not followed.
 
-A plan is kept only when every MIP of its making finished: one cut short by its time limit (solve.TIME_LIMIT)
-answers with HiGHS's best so far, which another run on a busier machine may not reach, and ranks that plan apart
-(the sp groups of a dp x sp mesh) must reach one plan. Unreadable entries are planned again and overwritten.
-Nothing is evicted (an entry is 7-21 KiB for the tiny preset): removing the folder clears it.
+A plan or an answer is kept only when every MIP of its making finished (forked helpers' included): one cut short by
+its time limit (solve.TIME_LIMIT) answers with HiGHS's best so far, which another run on a busier machine may not
+reach, and ranks that plan apart (the sp groups of a dp x sp mesh) must reach one plan. Unreadable entries are
+planned again and overwritten. Nothing is evicted (an entry is 7-21 KiB for the tiny preset): removing the folder
+clears it.
 
     AUTOSP_PLAN_CACHE   a folder (default $XDG_CACHE_HOME/autosp/plans, else ~/.cache/autosp/plans); 0 or off: none
 """
@@ -56,20 +66,39 @@ def folder() -> pathlib.Path | None:
 
 
 def key(local, memory_budget, dev, *, host_memory=None, refine: bool = True, tiles=None, attention=None) -> str:
-    """The entry's name: a digest of what the plan of `local` under these arguments is a function of."""
-    import scipy
+    """A plan entry's name: a digest of what the plan of `local` under these arguments is a function of."""
     import torch
 
     from autosp.passes.schedule import enabled
+    return _digest(f"threads {torch.get_num_threads()}", f"overlap {enabled()}", repr(memory_budget), repr(dev),
+                   repr(host_memory), repr(refine), repr(None if tiles is None else sorted(tiles.items())),
+                   repr(attention), str(local))
+
+
+def answer_key(question: str, *inputs: str) -> str:
+    """An answer entry's name: a digest of the question as normalised (`question`), what else the answer reads
+    (`inputs`) and what made it (the same as key's)."""
+    return _digest("answer", question, *inputs)
+
+
+def _digest(*parts: str) -> str:
+    """sha256 over `parts` and what made the entry: its layout, autosp's sources, torch's, scipy's and Python's
+    versions."""
+    import scipy
+    import torch
+
     from autosp.sources import digest
     h = hashlib.sha256()
-    for part in (f"v{VERSION}", digest(), torch.__version__, scipy.__version__, f"{sys.version_info[:2]}",
-                 f"threads {torch.get_num_threads()}", f"overlap {enabled()}",
-                 repr(memory_budget), repr(dev), repr(host_memory), repr(refine),
-                 repr(None if tiles is None else sorted(tiles.items())), repr(attention), str(local)):
+    for part in (f"v{VERSION}", digest(), torch.__version__, scipy.__version__, f"{sys.version_info[:2]}", *parts):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
+
+
+def path(name: str) -> pathlib.Path | None:
+    """Where the entry `name` is kept (None: keeping is off)."""
+    where = folder()
+    return None if where is None else where / f"{name}.plan"
 
 
 def load(name: str):
@@ -95,7 +124,7 @@ def load(name: str):
         entry = loads(data)
     except Exception:  # noqa: BLE001 - a torn or stale entry: planned again, and overwritten
         return None
-    if not isinstance(entry, tuple) or not entry or entry[0] not in ("plan", "refused"):
+    if not isinstance(entry, tuple) or not entry or entry[0] not in ("plan", "refused", "answer"):
         return None
     if entry[0] == "plan":
         entry = (entry[0], replace(entry[1], stored=str(path)), *entry[2:])

@@ -2,6 +2,7 @@
 
     report = longest(step)       # the longest length per configuration (no SP, SP, SP with the ILP plan)
     fit = at_length(step)        # one length: fits or not, the per-rank breakdown, the step time
+    said = answer(step)          # `autosp plan`'s text (either of the above), kept in the plan cache
 
 Both count the model state one rank keeps across steps (`ModelState`), the token ids, and the step's
 peak from autosp's memory model (plan.py's probes for `longest`, the plan `autosp train` will run for
@@ -125,6 +126,76 @@ class Report:
 
     def __str__(self) -> str:
         return self.text
+
+
+@dataclass(frozen=True)
+class Answer:
+    """`autosp plan`'s answer to one command line: the text it prints, whether its step fits, and the plan cache's
+    file it was read from (None: planned here)."""
+    text: str
+    ok: bool
+    stored: str | None = None
+
+
+def answer(step: Step, granularity: int | None = None) -> Answer:
+    """`autosp plan`'s answer: at_length's with --seq-len, else longest's; read back from the plan cache
+    (remat/store.py) where the same question was answered before, with nothing traced or differentiated, and kept
+    there when every MIP of its making finished. The text is the one first printed, "Planned in" included."""
+    from autosp.remat import store
+    from autosp.remat.solve import time_limits
+    name = store.answer_key(*_question(step, granularity))
+    kept = store.load(name)
+    if kept is not None and kept[0] == "answer":
+        return Answer(kept[1], kept[2], str(store.path(name)))
+    limited = time_limits()
+    if step.seq_len is not None:
+        fit = at_length(step)
+        said = Answer(fit.text(), fit.fits)
+    else:
+        report = longest(step, granularity=granularity)
+        said = Answer(report.text, report.ok)
+    if time_limits() == limited:
+        store.save(name, ("answer", said.text, said.ok))
+    return said
+
+
+def _question(step: Step, granularity: int | None) -> tuple[str, ...]:
+    """What `autosp plan`'s answer for `step` is a function of, besides autosp's sources and the versions the plan
+    cache keys every entry by: the question as normalised (the Step, the granularity the answer is given in), the
+    model config's bytes (a preset's shapes are in autosp's sources) and transformers' version (it builds and
+    traces the model), the device's cost and memory model, the threads the plan is priced at (CPU attention's
+    scratch is per thread: _as_ranks_run) and the AUTOSP_ environment (AUTOSP_OVERLAP, AUTOSP_MASK_FUNCTIONS, ...;
+    not the cache's own folder)."""
+    import importlib.metadata
+    import os
+
+    from autosp.remat.cost import device_for
+    from autosp.run.launch import rank_threads
+    from autosp.run.models import PRESETS, _config_file
+    if step.model in PRESETS:
+        model = repr(PRESETS[step.model])
+    else:
+        with open(_config_file(step.model), "rb") as f:
+            model = f.read().hex()
+    granule = None if step.seq_len is not None else (granularity or step.sp * 64)
+    threads = (rank_threads(step.world) if step.device == "cpu" else None, torch.get_num_threads())
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith("AUTOSP_") and k != "AUTOSP_PLAN_CACHE")
+    return (repr(step), f"granularity {granule}", model, importlib.metadata.version("transformers"),
+            repr(device_for(step.target, step.host_bandwidth)), f"threads {threads}", repr(env))
+
+
+@contextlib.contextmanager
+def full_collections_rarely():
+    """Python's full collections a tenth as often as by default, within: planning makes graphs of 10^5-10^6
+    objects and each full collection scans every one (10 % of `autosp plan --model tiny`'s time); the young
+    generations, which free the cycles a pass makes and drops, run as often as before."""
+    import gc
+    thresholds = gc.get_threshold()
+    gc.set_threshold(thresholds[0], thresholds[1], max(thresholds[2], 100))
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
 
 
 @contextlib.contextmanager

@@ -153,29 +153,40 @@ class Tracer:
 
 
 class _Shared:
-    """The traces the probe's two processes both need, passed through files (each written whole, then
-    renamed into place): the first to trace a length hands it over, and a process that finds none
-    traces for itself, so neither ever waits for the other. Each traces first the length it needs
-    first (the short one here, the long one in the search), so each finds the other's."""
+    """What the probe's two processes hand each other, passed through files (each written whole, then
+    renamed into place), so that neither ever waits for the other: a process that finds nothing handed
+    over derives it itself.
 
-    def __init__(self):
+    - the traces: the first to trace a length hands it over. Each traces first the length it needs
+      first (the short one here, the long one in the search), so each finds the other's.
+    - the replay's joint (`parallel` only): the search hands over the tiled step's joint at l2 as soon as
+      it is derived (SEARCHED), and the short probe, idle once its own programs are priced, re-instantiates
+      it at l1 (LENT) for the search's replay of its plan there, which then costs nothing to re-instantiate
+      (the tiny preset: 0.4 s of the search's 4 s)."""
+
+    SEARCHED, LENT = "searched.joints", "lent.joints"
+
+    def __init__(self, parallel: bool = True):
         import tempfile
         self.dir = tempfile.mkdtemp(prefix="autosp-plan-")
+        self.parallel = parallel
 
-    def _path(self, length: int) -> str:
-        return os.path.join(self.dir, f"{length}.trace")
+    def _path(self, name) -> str:
+        return os.path.join(self.dir, f"{name}.trace" if isinstance(name, int) else name)
 
-    def put(self, length: int, programs) -> None:
+    def put(self, name, value) -> None:
+        """Hand over `value` under `name` (a length: its traces)."""
         from autosp.ir.serial import dumps
-        tmp = f"{self._path(length)}.{os.getpid()}"
+        tmp = f"{self._path(name)}.{os.getpid()}"
         with open(tmp, "wb") as f:
-            f.write(dumps(programs))
-        os.replace(tmp, self._path(length))
+            f.write(dumps(value))
+        os.replace(tmp, self._path(name))
 
-    def get(self, length: int):
+    def get(self, name):
+        """What the other process handed over under `name`, or None."""
         from autosp.ir.serial import loads
         try:
-            with open(self._path(length), "rb") as f:
+            with open(self._path(name), "rb") as f:
                 return loads(f.read())
         except FileNotFoundError:
             return None
@@ -297,9 +308,40 @@ def probe_short(tracer, l1: int, l2: int, device: str):
         for key, graph in (("nosp", p.single), ("sp", p.local)):
             profiles[(key, length)] = _no_remat(graph, device)
             joints[(key, length)] = joint_of(graph)[1]
+        if length == l1 and tracer.shared is not None and tracer.shared.parallel:
+            _lend(tracer.shared, p.local)
     for key in ("nosp", "sp"):
         check_affine(signature(joints[(key, l1)].graph), l1, signature(joints[(key, l2)].graph), l2)
     return profiles
+
+
+def _hand_over(shared, local, deep: dict) -> None:
+    """The search's side of _Shared's replay joint: the joint of `local` (the step at l2) tiled `deep`, derived
+    here first (kept by joint_of and _tiled, the search finds it) and handed over."""
+    from autosp.passes.tile import find_chains
+    from autosp.remat import _by_id, _tiled, export_joints, joint_of
+    chains = find_chains(local)
+    ks = _by_id(deep, chains)
+    joint_of(_tiled(local, ks, chains) if ks else local)
+    shared.put(shared.SEARCHED, (deep, export_joints()))
+
+
+def _lend(shared, local1) -> None:
+    """The short probe's side, once its programs at l1 are priced: if the search has handed its joint over by
+    then, the step at l1 (`local1`) tiled as the search tiles, re-instantiated from it (remat.joint_of) and handed
+    back with the joints derived here. Not later: the lend is in time only where the search outlasts a
+    re-instantiation (the tiny preset's 1.5 s against 0.4 s), and one that begins later is not (the 8B step's 3.4
+    s against 3 s, begun 2.5 s after the handover: the search replayed first and the lend's exchange cost 1 s)."""
+    from autosp.passes.tile import find_chains, tile
+    from autosp.remat import _by_id, adopt_joints, export_joints, joint_of
+    got = shared.get(shared.SEARCHED)
+    if got is None:
+        return
+    deep, joints = got
+    adopt_joints(joints)
+    ks = _by_id(deep, find_chains(local1))
+    joint_of(tile(local1, ks) if ks else local1)
+    shared.put(shared.LENT, export_joints())
 
 
 def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory: int | None = None,
@@ -310,25 +352,32 @@ def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory
     fill the host at l2 and leave no room for longer lengths: each plan is priced at both lengths, and
     the host capacity it plans under at l2 is scaled by l2 / the length it reaches (`fit(priced) ->
     length`), for a few rounds; the longest wins."""
-    from autosp.remat import _recomputed, plan_step
+    from autosp.remat import _recomputed, adopt_joints, plan_step
     p = tracer.trace(l2, single=False)
     short = []          # the step at l1, traced (or handed over by the other process) when first needed
 
     chains, deepest = _deepest(p.local, tiled)
     deep = {c.name: deepest[c.id] for c in chains if c.id in deepest}
     tried = []
+    shared = tracer.shared
+    if shared is not None and shared.parallel:
+        _hand_over(shared, p.local, deep)
 
     def least(cap):
         plan, program, joint, _ = plan_step(p.local, "least", device=device, offload=offload, refine=False,
                                             host_memory=cap, tiles=deep, host_bandwidth=host_bw)
         decisions = (program.saved, _recomputed(joint, program), program.offloaded)
         tiles = {name: k for name, k, _, _ in plan.tiling}
+        priced2 = _priced(program, device)          # first: the replay's joint may be lent meanwhile (_Shared)
         if not short:
             short.append(tracer.trace(l1, single=False).local)
+            lent = shared.get(shared.LENT) if shared is not None and shared.parallel else None
+            if lent is not None:
+                adopt_joints(lent)
         priced1, joint1 = _replay(short[0], decisions, tiles, device, plan.attention_backward)
         check_affine(signature(joint1.graph), l1, signature(joint.graph), l2)
-        out = ((plan.peak_bytes, plan.offload_seconds, plan.tiling, plan.method),
-               {l1: priced1, l2: _priced(program, device)}, decisions)
+        out = ((plan.peak_bytes, plan.offload_seconds, plan.tiling, plan.method), {l1: priced1, l2: priced2},
+               decisions)
         tried.append(((fit or (lambda _: 0))(out[1]), out))
         return out
 
@@ -432,7 +481,7 @@ def probe(tracer, l1: int, l2: int, device: str, offload: bool, parallel: bool =
     at one length; the other length's joint is re-instantiated (remat.joint_of). Each SP step is traced
     once: by this process at l1, by the other at l2, each handing its trace to the other (_Shared)."""
     from autosp.remat import adopt_joints, export_joints
-    shared = tracer.shared = _Shared()
+    shared = tracer.shared = _Shared(parallel)
 
     def search():
         out = probe_long(tracer, l1, l2, device, offload, host_memory, fit, tiled, host_bw)
@@ -452,20 +501,30 @@ def probe(tracer, l1: int, l2: int, device: str, offload: bool, parallel: bool =
 
 def _both(first, second, parallel: bool = True):
     """first() here and second() in a forked child at the same time (planning is single-threaded
-    Python; a second core halves it); sequential where fork is not available."""
+    Python; a second core halves it); sequential where fork is not available. The child's MIPs ended by their
+    time limit count as this process's (solve.time_limits)."""
+    import gc
     import pickle
+
+    from autosp.remat import solve
+    from autosp.remat.solve import time_limits
     if not parallel or not hasattr(os, "fork"):
         return first(), second()
     r, w = os.pipe()
+    gc.freeze()             # the child's collections leave what it inherits unscanned (and its pages unshared)
     pid = os.fork()
+    if pid != 0:
+        gc.unfreeze()
     if pid == 0:                                      # the child: compute, send, leave without cleanup
         code = 0
         try:
             os.close(r)
+            limited = time_limits()
             try:
                 out = ("ok", second())
             except BaseException as exc:  # noqa: BLE001 - sent to the parent, raised there
                 out = ("error", exc)
+            out += (time_limits() - limited,)
             data = pickle.dumps(out)
             with os.fdopen(w, "wb") as f:
                 f.write(data)
@@ -482,7 +541,9 @@ def _both(first, second, parallel: bool = True):
         os.waitpid(pid, 0)
     if not data:
         raise AutospError("autosp plan: the planning subprocess died. Fix: rerun; if it persists, report it.")
-    status, b = pickle.loads(data)
+    status, b, limited = pickle.loads(data)
+    # the child's MIPs cut short by their time limit are this plan's: what it answers is then not kept (store.py)
+    solve._LIMITED[0] += limited
     if status == "error":
         raise b
     return a, b

@@ -1,0 +1,44 @@
+"""What makes `autosp plan` fast changes no answer: the probe's two processes hand each other the replay's joint
+(run/plan.py, _Shared) and price the plan exactly as one process alone does."""
+import json
+import os
+import time
+
+import numpy as np
+import torch
+
+
+def test_the_probes_lend_the_replays_joint_and_price_as_one_process(tmp_path, monkeypatch):
+    """Each side waits here for what the other hands over (the planner never does: a side that finds nothing
+    derives it itself), so the lend happens whatever the timing; the Probe equals the one process's, number for
+    number."""
+    from autosp.run import plan
+    from autosp.run.meshes import fake_world, planning_mesh
+    from autosp.run.models import model_config
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096}))
+    spec = model_config(str(tmp_path))
+    get, handed = plan._Shared.get, []
+
+    def waiting(self, name):
+        if name in (self.SEARCHED, self.LENT):
+            deadline = time.monotonic() + 120
+            while not os.path.exists(self._path(name)) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return get(self, name)
+    monkeypatch.setattr(plan._Shared, "get", waiting)
+    close = plan._Shared.close
+    monkeypatch.setattr(plan._Shared, "close", lambda self: handed.append(sorted(os.listdir(self.dir))) or close(self))
+    with fake_world(2):
+        tracer = plan.Tracer(spec, planning_mesh(2, 1), torch.float32, 1, 2, shard_params=True)
+        both = plan.probe(tracer, 512, 2048, "cpu", False, parallel=True)
+        alone = plan.probe(tracer, 512, 2048, "cpu", False, parallel=False)
+    assert handed[0] == sorted(["512.trace", "2048.trace", plan._Shared.SEARCHED, plan._Shared.LENT]), handed
+    assert (both.least, both.decisions, both.tiling, both.method) == (alone.least, alone.decisions, alone.tiling,
+                                                                    alone.method)
+    assert both.decisions[1], "the least-peak plan recomputes nothing: the replay would not test a plan"
+    for a, b in [(both.profiles[k], alone.profiles[k]) for k in alone.profiles] + \
+            [(both.plan[k], alone.plan[k]) for k in alone.plan]:
+        assert np.array_equal(a.values, b.values) and np.array_equal(a.saved, b.saved)
+        assert (a.comm, a.host, a.shape) == (b.comm, b.host, b.shape) and np.array_equal(a.terms, b.terms)
