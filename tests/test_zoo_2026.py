@@ -167,7 +167,7 @@ def _peak_job(rank, world, names, s, budget):
     ids, labels = batch(1, s, 64, seed=1)
     out = {}
     for name in names:
-        model, fn = build(name, **WIDER[name])
+        model, fn = build(name, **WIDER.get(name, {}))
         params = {k: v.detach().clone() for k, v in model.named_parameters()}
         live = {k: v.clone().requires_grad_(True) for k, v in params.items()}
         one, _ = peak_bytes(lambda: torch.autograd.grad(fn(live, ids, labels), list(live.values()),
