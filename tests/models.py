@@ -69,6 +69,14 @@ def gpt_loss(model):
     return loss_fn
 
 
+def shifted_loss(model):
+    """logits[:, :-1] against labels[:, 1:]: a plain module's LM loss, (params, ids, labels)."""
+    def loss_fn(params, ids, labels):
+        logits = torch.func.functional_call(model, params, (ids,))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+    return loss_fn
+
+
 def tiny_llama(layers=2, vocab=64, hidden=32, heads=4, kv_heads=2, device=None, **extra):
     """use_cache=False makes HF build an explicit [b, 1, s, s] mask and repeat K/V instead."""
     from transformers import LlamaConfig, LlamaForCausalLM

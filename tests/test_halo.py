@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tests.dist import run_ranks
-from tests.models import assert_every_rank
+from tests.models import assert_every_rank, shifted_loss
 
 
 class ConvAttn(nn.Module):
@@ -51,13 +51,6 @@ class ConvAttn(nn.Module):
         return self.head(x)
 
 
-def _shifted_loss(model):
-    def loss_fn(params, ids, labels):
-        logits = torch.func.functional_call(model, params, (ids,))
-        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
-    return loss_fn
-
-
 # name -> (model kwargs or "lfm2", halo exchanges expected in the program, sequence gathers expected)
 CASES = {
     "k4 k2 k3/2": (dict(kernels=[4, 2, 3], dilations=[1, 1, 2]), 3, 0),   # the last dilated 2: a halo of 4
@@ -77,7 +70,7 @@ def _build(name):
         return model, hf_loss(model)
     torch.manual_seed(0)
     model = ConvAttn(**spec)
-    return model, _shifted_loss(model)
+    return model, shifted_loss(model)
 
 
 def _halo_job(rank, world, names, s, dp):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import autosp
 from tests.dist import run_ranks
-from tests.models import assert_every_rank
+from tests.models import assert_every_rank, shifted_loss
 
 
 def gated_scan_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, c: torch.Tensor,
@@ -59,13 +59,6 @@ class ScanLM(nn.Module):
                            -F.softplus(g), c * 0.5, a)
             x = x + out(y.reshape(b, s, -1))
         return self.head(x)
-
-
-def _loss(model):
-    def loss_fn(params, ids, labels):
-        logits = torch.func.functional_call(model, params, (ids,))
-        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
-    return loss_fn
 
 
 def _count(graph, name):
@@ -110,7 +103,7 @@ def _job(rank, world, s):
     for name, cls in (("scan lm", ScanLM), ("delta lm", DeltaLM)):
         torch.manual_seed(0)
         model = cls()
-        fn, params = _loss(model), params_of(model)
+        fn, params = shifted_loss(model), params_of(model)
         ids, labels = batch(2, s, 64, seed=1, pad=3)
         ref_loss, ref_grads = reference(fn, params, ids, labels)
         vg = autosp.value_and_grad(fn, mesh)
@@ -134,7 +127,7 @@ def _dp_by_sp(s):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
     torch.manual_seed(0)
     model = ScanLM()
-    fn, params = _loss(model), params_of(model)
+    fn, params = shifted_loss(model), params_of(model)
     batches = [batch(2, s, 64, seed=1 + k, pad=3) for k in range(2)]
     refs = [reference(fn, params, *args) for args in batches]
     loss, grads = autosp.value_and_grad(fn, mesh)(params, *batches[mesh.get_local_rank("dp")])
@@ -146,7 +139,7 @@ def _uneven_heads_error(mesh, s):
     model = ScanLM(heads=3, layers=1)
     from tests.models import batch, params_of
     try:
-        autosp.shard(_loss(model), mesh)(params_of(model), *batch(2, s, 64))
+        autosp.shard(shifted_loss(model), mesh)(params_of(model), *batch(2, s, 64))
     except autosp.AutospError as exc:
         return str(exc)
     return None
