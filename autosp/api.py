@@ -368,7 +368,8 @@ def explain(fn, mesh, *args, in_specs=None, memory_budget=None, host_bandwidth=N
     device = device or _device_of(args)
     if memory_budget is not None and args:
         args = (_differentiable(args[0]),) + tuple(args[1:])
-    graph, local = Sharded(fn, mesh, in_specs, ring=ring).graphs(*args)
+    sharded = Sharded(fn, mesh, in_specs, ring=ring)
+    graph, local = sharded.graphs(*args)
     colls = [e for e in local.eqns if e.op.name in ("all_to_all", "all_reduce_sum", "all_gather_seq",
                                                      "all_gather_param", "halo_exchange")]
     head = (f"# autosp.explain: sp={mesh_info(mesh).sp_size}, {len(graph.eqns)} global equations -> "
@@ -376,7 +377,6 @@ def explain(fn, mesh, *args, in_specs=None, memory_budget=None, host_bandwidth=N
             + ", ".join(f"{n}x{sum(e.op.name == n for e in colls)}" for n in sorted({e.op.name for e in colls})))
     from autosp.passes.dce import dce
     from autosp.passes.shard import analyse
-    sharded = Sharded(fn, mesh, in_specs, ring=ring)
     live = dce(graph)
     regions = analyse(live, mesh_info(mesh), _flat_specs(sharded.in_specs, args, graph)).summary(live)
     parts = [head, regions, attention_summary(local, device, mesh_info(mesh).sp_size)]

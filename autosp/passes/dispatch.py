@@ -74,7 +74,7 @@ def _grow(graph, s_idx, producer, readers, outputs, pos, free) -> set[int] | Non
             if r in inner or r in closers:
                 continue
             e = graph.eqns[r]
-            if not (e.op.has(Tag.ELEMENTWISE) or e.op.name in _INNER or _counts_are_offsets(graph, r, readers)
+            if not (e.op.has(Tag.ELEMENTWISE) or e.op.name in _INNER or _counts_are_offsets(graph, r, readers, producer)
                     or _along_columns(e)
                     or e.op.name == "cumsum" and _is_count(graph, e.inputs[0], producer)):
                 return None
@@ -147,15 +147,14 @@ def _is_count(graph, x, producer) -> bool:
     return p is not None and graph.eqns[p].op.name == "histc"
 
 
-def _counts_are_offsets(graph, k, readers) -> bool:
+def _counts_are_offsets(graph, k, readers, producer) -> bool:
     """histc whose counts only become offsets: cumsum (perhaps of a cast), read only as grouped_mm's offsets."""
     e = graph.eqns[k]
-    if e.op.name not in ("histc", *_CASTS) or e.op.name in _CASTS and not _is_count(graph, e.outputs[0], {
-            o.name: j for j, q in enumerate(graph.eqns) for o in q.outputs}):
+    if e.op.name not in ("histc", *_CASTS) or e.op.name in _CASTS and not _is_count(graph, e.outputs[0], producer):
         return False
     for r in readers.get(e.outputs[0].name, ()):
         c = graph.eqns[r]
-        if c.op.name in _CASTS and _counts_are_offsets(graph, r, readers):
+        if c.op.name in _CASTS and _counts_are_offsets(graph, r, readers, producer):
             continue
         if c.op.name != "cumsum":
             return False
