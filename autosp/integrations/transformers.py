@@ -1,0 +1,277 @@
+"""transformers' Trainer (and TRL's SFTTrainer), sequence-parallel through one argument.
+
+    from autosp.integrations.transformers import AutospTrainer      # was: from transformers import Trainer
+    trainer = AutospTrainer(model=model, args=args, train_dataset=ds, sp=2)   # was: Trainer(...)
+    trainer.train()                          # torchrun --nproc-per-node 4 train.py: dp 2 x sp 2
+
+`sp` is the sequence-parallel degree, as DeepSpeed-Ulysses' `sequence_parallel_size` and torchtitan's
+`context_parallel_degree` are: the one number a user of either sets. It goes to the trainer rather than into
+TrainingArguments, so the script's own arguments (HfArgumentParser, a YAML file) stay as they are; the ranks
+torchrun starts form a (dp, sp) mesh, dp = world / sp.
+
+What changes against the Trainer it extends, each through an overridden hook (no patching):
+- `_wrap_model`: training runs `autosp.compile` of the model's own loss (`model(**batch).loss`, labels shifted
+  as the model shifts them) instead of accelerate's DDP wrap; each rank holds s/P of each activation, and the
+  gradients autosp gives are complete on every sp rank and averaged over dp, so nothing reduces them again.
+- `get_train_dataloader`: batches sharded over the dp ranks only (every sp rank of a dp group gets the same
+  rows, as `autosp train` shards them); `per_device_train_batch_size` is rows per dp group.
+- `compute_loss`: the loss each rank logs is the global one (the mean over the labelled tokens of every dp
+  rank's batch with `average_tokens_across_devices`, the Trainer's default), the same on every rank.
+Gradient accumulation, clipping, the optimizer and scheduler, logging and saving are the Trainer's own.
+Evaluation runs the plain model on each rank's own rows (forward only, not sequence-parallel).
+
+Each new batch shape compiles once (trace + sharding pass): pad the batches to a fixed length (a collator's
+`pad_to_multiple_of`, or `padding="max_length"`) so the step compiles once.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from autosp.errors import AutospError
+
+try:
+    from transformers import Trainer
+except ImportError as exc:                  # the library itself never needs transformers
+    raise ImportError(f"autosp.integrations.transformers needs transformers and accelerate ({exc}). "
+                      "Fix: pip install 'autosp[train]'.") from None
+
+
+class _CausalLMLoss(torch.nn.Module):
+    """The single-device code autosp shards: the wrapped model's own loss on a batch of keyword tensors."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **batch):
+        out = self.model(**batch)
+        loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+        if loss is None:
+            raise AutospError(
+                f"{type(self.model).__name__}(**batch) returned no loss for the keys {sorted(batch)}; autosp shards "
+                "the model's own loss. Fix: a model that computes its loss from `labels` (a ...ForCausalLM), or a "
+                "collator that passes them.")
+        return loss
+
+
+class AutospTrainerMixin:
+    """The sequence-parallel half of AutospTrainer, for any Trainer subclass (`with_autosp(cls)`).
+
+    sp: the sequence-parallel degree (must divide the world torchrun starts); memory_budget: autosp.shard's
+    remat budget for the step (None: save what autograd saves)."""
+
+    def __init__(self, *args, sp: int, memory_budget=None, **kwargs):
+        if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
+            raise AutospError(f"{type(self).__name__}(sp={sp!r}): sp is the number of ranks each sequence is "
+                              "split over, an int >= 1. Fix: sp=2 (and launch with torchrun --nproc-per-node 2).")
+        self.sp, self.memory_budget = sp, memory_budget
+        own = _own_loss(type(self))
+        if own is not None:                         # before its __init__ runs: nothing built for nothing
+            raise AutospError(
+                f"{type(self).__name__}(sp={sp}): {own.__name__}.compute_loss ({own.__module__}) computes its own "
+                f"loss, and autosp shards the model's own loss (model(**batch).loss) in its place. "
+                + _OWN_LOSS_FIX.get(own.__name__, "Fix: compute the loss in the model's forward (from `labels`), "
+                                    "or shard your loss function with autosp.shard(loss_fn, mesh) in your own loop."))
+        super().__init__(*args, **kwargs)
+        self._check_setup()
+        world = self.args.world_size
+        self.dp = world // sp
+        self.dp_rank = self.args.process_index // sp   # the mesh is (dp, sp), row-major over global ranks
+        self.mesh = _mesh(self.args.device.type, self.dp, sp) if world > 1 else None
+
+    def _check_setup(self) -> None:
+        name, args, world = type(self).__name__, self.args, self.args.world_size
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched != world:
+            raise AutospError(
+                f"{name}(sp={self.sp}): torchrun started {launched} ranks, and TrainingArguments sees {world} "
+                f"(device {args.device}); on a machine without a GPU accelerate trains distributed only with "
+                "use_cpu=True. Fix: TrainingArguments(..., use_cpu=True) on CPU.")
+        if world % self.sp:
+            raise AutospError(
+                f"{name}(sp={self.sp}): the world has {world} rank{'s' if world != 1 else ''}, which sp={self.sp} "
+                f"does not divide (the ranks form a dp x sp mesh). Fix: launch a multiple of {self.sp} ranks "
+                f"(torchrun --nproc-per-node {self.sp * max(1, world // self.sp)} ...), or pass an sp that "
+                f"divides {world}.")
+        pc = getattr(args, "parallelism_config", None)
+        if pc is not None and (getattr(pc, "sp_enabled", False) or getattr(pc, "cp_enabled", False)):
+            raise AutospError(
+                f"{name}(sp={self.sp}): TrainingArguments.parallelism_config already splits the sequence "
+                f"(sp_size={getattr(pc, 'sp_size', 1)}, cp_size={getattr(pc, 'cp_size', 1)}); two sequence-parallel "
+                "schemes cannot share a step. Fix: drop parallelism_config and keep sp=..., or drop sp.")
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            which = "DeepSpeed" if self.is_deepspeed_enabled else "FSDP"
+            raise AutospError(
+                f"{name}(sp={self.sp}): {which} is enabled in TrainingArguments; it wraps the model and reduces "
+                "its gradients itself, while autosp's gradients are already complete on every rank. Fix: drop "
+                f"the {which} arguments (autosp shards the activations; each rank keeps the whole model), or "
+                "shard the model state with `autosp train` instead.")
+        if args.fp16 or args.bf16:
+            raise AutospError(
+                f"{name}(sp={self.sp}): fp16={args.fp16}, bf16={args.bf16} asks accelerate for autocast, which "
+                "does not reach the program autosp compiles. Fix: fp16=False, bf16=False (TRL's configs default to "
+                "bf16=True) and load the model in the dtype to compute in (from_pretrained(..., "
+                "dtype=torch.bfloat16)), or train in fp32.")
+        if getattr(args, "loss_type", "nll") not in ("nll", None) or getattr(self, "aux_loss_enabled", False):
+            raise AutospError(
+                f"{name}(sp={self.sp}): loss_type={args.loss_type!r} (or a MoE auxiliary loss) is TRL's own loss, "
+                "not the model's; autosp shards the model's own loss. Fix: loss_type='nll' (SFTConfig's default).")
+        if self.compute_loss_func is not None or self.label_smoother is not None:
+            raise AutospError(
+                f"{name}(sp={self.sp}): compute_loss_func / label_smoothing_factor need the whole logits, which "
+                "no rank holds under sequence parallelism. Fix: drop them (the model's own loss is sharded), or "
+                "write the loss into the model's forward.")
+
+    # ------------------------------------------------------------------ the model
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        from autosp.api import ShardedModule
+        if not training or self.mesh is None:
+            return super()._wrap_model(model, training, dataloader)
+        if isinstance(model, ShardedModule):          # train() again: already wrapped
+            return model
+        import autosp
+        import torch.distributed as dist
+        # as DDP does when it wraps a model: every rank starts from rank 0's parameters and buffers
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.data, src=0)
+        # not accelerate.prepare's DDP: autosp's gradients are complete on every rank already (the Trainer
+        # skips prepare for a model _wrap_model changed)
+        return autosp.compile(_CausalLMLoss(model), self.mesh, memory_budget=self.memory_budget)
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        from autosp.api import ShardedModule
+        if not isinstance(model, ShardedModule) or not model.training:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        name = type(self).__name__
+        if return_outputs:
+            raise AutospError(f"{name}.compute_loss(return_outputs=True) while training: under sequence "
+                              "parallelism the step computes the loss only (no rank holds the whole logits). "
+                              "Fix: ask for the loss alone.")
+        batch = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+        if "labels" not in batch:
+            raise AutospError(f"{name}: the batch has no 'labels' (keys {sorted(inputs)}); autosp shards the "
+                              "model's own loss, which needs them. Fix: a collator that sets labels, such as "
+                              "DataCollatorForLanguageModeling(tokenizer, mlm=False).")
+        scale = 1
+        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            # a tensor, not an int: a number would be a constant of the trace, compiled again every step
+            batch["num_items_in_batch"] = torch.as_tensor(num_items_in_batch, device=batch["labels"].device)
+            if self.args.average_tokens_across_devices:
+                scale = self.dp     # autosp averages over dp the dp ranks' sums over the global count
+        try:
+            loss = model(**batch)
+        except AutospError as exc:
+            raise type(exc)(f"{name}(sp={self.sp}): autosp cannot shard the loss of "
+                            f"{type(model.module.model).__name__} on {_shapes(batch)}:\n{exc}\nUnder the Trainer "
+                            "the model must be one autosp shards: attention over the sequence (a transformers causal "
+                            "LM, attn_implementation='sdpa' or 'eager').") from None
+        return loss * scale if scale != 1 else loss
+
+    # ------------------------------------------------------------------ the data
+    def get_train_dataloader(self):
+        loader = super().get_train_dataloader()
+        if self.mesh is not None:
+            _shard_over_dp(loader, self.dp, self.dp_rank, type(self).__name__)
+        return loader
+
+    def get_total_train_batch_size(self, args) -> int:
+        return self._train_batch_size * args.gradient_accumulation_steps * (args.world_size // self.sp)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if count is not None and self.args.average_tokens_across_devices and self.args.world_size > 1:
+            count = count / self.sp     # gathered over the world: each dp group's batch counted on its sp ranks
+        return batches, count
+
+    def _track_num_input_tokens(self, inputs):
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self.sp
+
+
+_OWN_LOSS_FIX = {
+    "DPOTrainer": "TRL's DPO loss reads per-token log-probabilities from TRL's fused LM head and a "
+    "reference model, which autosp does not shard. Fix: `autosp train --objective dpo` (the same loss, "
+    "sequence-parallel), or DPOTrainer without sp.",
+}
+
+
+def _own_loss(cls: type):
+    """The class whose compute_loss `cls` would run instead of the model's loss, or None: Trainer's is the
+    model's loss; SFTTrainer's is too for its default loss_type 'nll' (checked with its arguments)."""
+    for klass in cls.__mro__:
+        if "compute_loss" not in vars(klass) or klass is AutospTrainerMixin:
+            continue
+        if klass is Trainer or (klass.__name__ == "SFTTrainer" and klass.__module__.startswith("trl.")):
+            return None
+        return klass
+    return None
+
+
+def _shapes(batch: dict) -> str:
+    return ", ".join(f"{k} {list(v.shape)}" for k, v in batch.items())
+
+
+def _mesh(device: str, dp: int, sp: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    if dp == 1:
+        return init_device_mesh(device, (sp,), mesh_dim_names=("sp",))
+    return init_device_mesh(device, (dp, sp), mesh_dim_names=("dp", "sp"))
+
+
+def _shard_over_dp(loader, dp: int, dp_rank: int, name: str) -> None:
+    """Point the shard accelerate made for this rank of the world at its dp rank instead: the sp ranks of a dp
+    group then read the same batches (the same sampler, seeded alike), the dp ranks different ones. transformers
+    re-targets the same object for its BatchRebalanceSampler; the shard reads both fields at each iteration."""
+    from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
+    shard = getattr(loader, "batch_sampler", None)
+    if isinstance(loader, DataLoaderDispatcher):
+        shard = None
+    elif not isinstance(shard, BatchSamplerShard):
+        shard = getattr(loader, "dataset", None)
+        shard = shard if isinstance(shard, IterableDatasetShard) else None
+    if shard is None:
+        raise AutospError(
+            f"{name}: the training DataLoader ({type(loader).__name__} over {type(loader.dataset).__name__}) is not "
+            "one whose rows can be sharded over the dp ranks only (an iterable dataset dispatched from rank 0, or "
+            "one sharded by the datasets library). Fix: a map-style dataset (datasets.Dataset, a list), or "
+            "TrainingArguments(accelerator_config={'dispatch_batches': False}) with an iterable one.")
+    shard.num_processes, shard.process_index = dp, dp_rank
+
+
+class AutospTrainer(AutospTrainerMixin, Trainer):
+    """transformers.Trainer, sequence-parallel: AutospTrainer(model=..., args=..., train_dataset=..., sp=2)."""
+
+
+def __getattr__(name: str):
+    """TRL's trainers, made on first use, so that this module imports without TRL."""
+    if name not in _TRL:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        import trl
+    except ImportError as exc:
+        raise AutospError(f"autosp.integrations.transformers.{name} extends TRL's {_TRL[name]}, and TRL is not "
+                          f"installed ({exc}). Fix: pip install trl, or use AutospTrainer.") from None
+    cls = with_autosp(getattr(trl, _TRL[name]))
+    globals()[name] = cls
+    return cls
+
+
+_TRL = {"AutospSFTTrainer": "SFTTrainer", "AutospDPOTrainer": "DPOTrainer"}
+
+
+def with_autosp(trainer_cls: type) -> type:
+    """`trainer_cls` (a Trainer subclass: yours, or TRL's) with autosp's sequence parallelism: the class takes
+    `sp=` (and `memory_budget=`) besides its own arguments."""
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
+        raise AutospError(f"with_autosp({trainer_cls!r}): expected a subclass of transformers.Trainer. Fix: "
+                          "with_autosp(MyTrainer) where MyTrainer extends Trainer (or one of TRL's trainers).")
+    if issubclass(trainer_cls, AutospTrainerMixin):
+        return trainer_cls
+    return type(f"Autosp{trainer_cls.__name__}", (AutospTrainerMixin, trainer_cls),
+                {"__doc__": f"{trainer_cls.__name__}, sequence-parallel through autosp (sp=...).",
+                 "__module__": __name__})
