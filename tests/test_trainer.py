@@ -60,10 +60,10 @@ def _args(out: str, batch: int, **extra):
     cls = TrainingArguments
     if extra.pop("sft", False):
         from trl import SFTConfig as cls
-    extra = {"learning_rate": 5e-3, **extra}
+    extra = {"learning_rate": 5e-3, "save_strategy": "no", **extra}
     return cls(output_dir=out, per_device_train_batch_size=batch, max_steps=STEPS, gradient_accumulation_steps=2,
-               max_grad_norm=0.5, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0,
-               disable_tqdm=True, **extra)
+               max_grad_norm=0.5, logging_steps=1, report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
+               **extra)
 
 
 def _losses(trainer) -> list[float]:
