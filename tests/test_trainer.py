@@ -1,5 +1,5 @@
-"""autosp.integrations.transformers: the Trainer (and TRL's SFTTrainer) at sp 2 and at dp 2 equal the same
-trainer on one device (losses and the parameters after each step, fp32, a length sp does not divide), the
+"""autosp.integrations.transformers: the Trainer (and TRL's SFTTrainer and DPOTrainer) at sp 2, the Trainer at
+dp 2 too, equal the same trainer on one device (losses and the parameters after each step, fp32, a length sp does not divide), the
 README's example script runs, and bad use is an AutospError naming the fix."""
 from __future__ import annotations
 
@@ -60,6 +60,8 @@ def _args(out: str, batch: int, **extra):
     cls = TrainingArguments
     if extra.pop("sft", False):
         from trl import SFTConfig as cls
+    if extra.pop("dpo", False):
+        from trl import DPOConfig as cls
     extra = {"learning_rate": 5e-3, "save_strategy": "no", **extra}
     return cls(output_dir=out, per_device_train_batch_size=batch, max_steps=STEPS, gradient_accumulation_steps=2,
                max_grad_norm=0.5, logging_steps=1, report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
@@ -96,6 +98,32 @@ def _sft_run(cls, out: str, folder: str, **kw):
     return _losses(trainer)
 
 
+def _tokenizer(folder: str):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.pad_token = tok.eos_token
+    return tok
+
+
+def _pairs():
+    """Preference pairs: a prompt, the chosen and the rejected completion (text)."""
+    from datasets import Dataset
+    return Dataset.from_list([{"prompt": DOCS[i % 5][:20], "chosen": DOCS[(i + 1) % 5][:15],
+                               "rejected": DOCS[(i + 2) % 5][:12]} for i in range(ROWS)])
+
+
+def _dpo_run(cls, out: str, folder: str, **kw):
+    """DPO of the tiny Llama against a frozen copy of itself, pairs padded to S tokens."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    trainer = cls(model=model, ref_model=copy.deepcopy(model), processing_class=_tokenizer(folder), train_dataset=_pairs(),
+                  args=_args(out, 2, dpo=True, optim="sgd", learning_rate=0.5, bf16=False, pad_to_multiple_of=S), **kw)
+    trainer.train()
+    return _losses(trainer)
+
+
 def _example_run(assets: dict, sp: int, out: str) -> list[float]:
     trainer = _example("keep_your_trainer").main(
         ["--model", assets["model"], "--data", assets["data"], "--seq-len", str(S), "--sp", str(sp), "--out", out,
@@ -122,7 +150,7 @@ def _ranks(rank, world, assets):
     import tempfile
     os.environ["OMP_NUM_THREADS"] = "1"          # else accelerate sets this pooled process's torch threads
     from autosp.errors import AutospError
-    from autosp.integrations.transformers import AutospSFTTrainer, AutospTrainer
+    from autosp.integrations.transformers import AutospDPOTrainer, AutospSFTTrainer, AutospTrainer
     out = {}
     with tempfile.TemporaryDirectory() as d:
         trainer, out["sp2"], out["sp2 params"] = _trainer_run(AutospTrainer, d, 2, sp=2)
@@ -130,6 +158,7 @@ def _ranks(rank, world, assets):
         out["sp2 all_to_all"] = sum(e.op.name == "all_to_all" for e in local.eqns)
         _, out["dp2"], out["dp2 params"] = _trainer_run(AutospTrainer, d, 1, sp=1)
         out["sft sp2"] = _sft_run(AutospSFTTrainer, d, assets["model"], sp=2)
+        out["dpo sp2"] = _dpo_run(AutospDPOTrainer, d, assets["model"], sp=2)
         out["example sp2"] = _example_run(assets, 2, d)
         for key, inputs in (("no labels", {"input_ids": torch.zeros(2, S, dtype=torch.long)}),):
             try:
@@ -172,15 +201,17 @@ def _params_off(got: list[dict], want: list[dict]) -> float:
     return max(((g[n] - w[n]).abs().max() / w[n].abs().max()).item() for g, w in zip(got, want) for n in w)
 
 
-def test_trainer_and_sft_at_sp2_and_dp2_equal_one_device_and_the_example_runs(assets, tmp_path):
+def test_trainer_sft_and_dpo_at_sp2_and_dp2_equal_one_device_and_the_example_runs(assets, tmp_path):
     from transformers import Trainer
-    from trl import SFTTrainer
+    from trl import DPOTrainer, SFTTrainer
     _, want, want_params = _trainer_run(Trainer, str(tmp_path / "one"), 2)
     want_sft = _sft_run(SFTTrainer, str(tmp_path / "sft"), assets["model"])
+    want_dpo = _dpo_run(DPOTrainer, str(tmp_path / "dpo"), assets["model"])
     want_example = _example_run(assets, 1, str(tmp_path / "example"))
     for rank, got in enumerate(run_ranks(_ranks, 2, assets)):
         assert got["sp2 all_to_all"] > 0, "the step was not sequence-parallel"
-        for key, ref in (("sp2", want), ("dp2", want), ("sft sp2", want_sft), ("example sp2", want_example)):
+        for key, ref in (("sp2", want), ("dp2", want), ("sft sp2", want_sft), ("dpo sp2", want_dpo),
+                         ("example sp2", want_example)):
             assert _off(got[key], ref) <= RTOL, (rank, key, got[key], ref)
         for key in ("sp2 params", "dp2 params"):
             assert _params_off(got[key], want_params) <= RTOL, (rank, key)
@@ -190,7 +221,7 @@ def test_trainer_and_sft_at_sp2_and_dp2_equal_one_device_and_the_example_runs(as
             and "cummax" in bad and "test_trainer.py" in bad and "Fix" in bad, bad
 
 
-def test_bad_use_is_an_autosp_error_naming_the_fix(tmp_path, monkeypatch):
+def test_bad_use_is_an_autosp_error_naming_the_fix(assets, tmp_path, monkeypatch):
     from transformers import Trainer
 
     from autosp.errors import AutospError
@@ -214,9 +245,14 @@ def test_bad_use_is_an_autosp_error_naming_the_fix(tmp_path, monkeypatch):
         with_autosp(MyTrainer)(model=model, args=args, train_dataset=data, sp=2)
     with pytest.raises(AutospError, match=r"with_autosp\(<class 'int'>\): expected a subclass of transformers.Trainer"):
         with_autosp(int)
-    with pytest.raises(AutospError, match=r"DPOTrainer.compute_loss \(trl.* autosp does not shard. Fix: `autosp "
-                                          r"train --objective dpo`"):
-        integration.AutospDPOTrainer(model=model, args=args, train_dataset=data, sp=2)
+    from trl import DPOConfig, DPOTrainer
+    dpo = DPOConfig(output_dir=str(tmp_path), loss_type=["ipo"], use_cpu=True, bf16=False, report_to="none")
+    with pytest.raises(AutospError, match=r"AutospDPOTrainer\(sp=1\): loss_type=\['ipo'\]; autosp shards TRL's "
+                                          r"standard DPO loss .*Fix: loss_type=\['sigmoid'\]"):
+        integration.AutospDPOTrainer(model=model, ref_model=tiny_llama(), args=dpo, processing_class=_tokenizer(
+            assets["model"]), train_dataset=_pairs(), sp=1)
+    with pytest.raises(AutospError, match=r"AutospMyDPO\(sp=1\): MyDPO.compute_loss .* computes its own loss"):
+        with_autosp(type("MyDPO", (DPOTrainer,), {"compute_loss": lambda self, *a, **k: None}))(model=model, sp=1)
     with pytest.raises(AutospError, match=r"training DataLoader \(DataLoader over list\) is not one whose rows can be "
                                           r"sharded over the dp ranks only.*Fix: a map-style dataset"):
         _shard_over_dp(torch.utils.data.DataLoader([1, 2]), 2, 0, "AutospTrainer")

@@ -1,4 +1,4 @@
-"""transformers' Trainer (and TRL's SFTTrainer), sequence-parallel through one argument.
+"""transformers' Trainer (and TRL's SFTTrainer and DPOTrainer), sequence-parallel through one argument.
 
     from autosp.integrations.transformers import AutospTrainer      # was: from transformers import Trainer
     trainer = AutospTrainer(model=model, args=args, train_dataset=ds, sp=2)   # was: Trainer(...)
@@ -19,6 +19,10 @@ What changes against the Trainer it extends, each through an overridden hook (no
   rank's batch with `average_tokens_across_devices`, the Trainer's default), the same on every rank.
 Gradient accumulation, clipping, the optimizer and scheduler, logging and saving are the Trainer's own.
 Evaluation runs the plain model on each rank's own rows (forward only, not sequence-parallel).
+TRL: AutospSFTTrainer (the model's loss, as SFTTrainer's default loss_type 'nll' is), AutospDPOTrainer
+(autosp/integrations/dpo.py: TRL's sigmoid DPO loss over the policy and the reference model); made from TRL's
+classes on first use, so this module imports without TRL. `with_autosp(cls)` does the same for a subclass of
+yours, and refuses one with its own compute_loss (autosp would compute another loss in its place).
 
 Each new batch shape compiles once (trace + sharding pass): pad the batches to a fixed length (a collator's
 `pad_to_multiple_of`, or `padding="max_length"`) so the step compiles once.
@@ -62,12 +66,14 @@ class AutospTrainerMixin:
     sp: the sequence-parallel degree (must divide the world torchrun starts); memory_budget: autosp.shard's
     remat budget for the step (None: save what autograd saves)."""
 
+    _sharded_losses = ("Trainer", "SFTTrainer")
+
     def __init__(self, *args, sp: int, memory_budget=None, **kwargs):
         if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
             raise AutospError(f"{type(self).__name__}(sp={sp!r}): sp is the number of ranks each sequence is "
                               "split over, an int >= 1. Fix: sp=2 (and launch with torchrun --nproc-per-node 2).")
         self.sp, self.memory_budget = sp, memory_budget
-        own = _own_loss(type(self))
+        own = _own_loss(type(self), self._sharded_losses)
         if own is not None:                         # before its __init__ runs: nothing built for nothing
             raise AutospError(
                 f"{type(self).__name__}(sp={sp}): {own.__name__}.compute_loss ({own.__module__}) computes its own "
@@ -114,15 +120,20 @@ class AutospTrainerMixin:
                 "does not reach the program autosp compiles. Fix: fp16=False, bf16=False (TRL's configs default to "
                 "bf16=True) and load the model in the dtype to compute in (from_pretrained(..., "
                 "dtype=torch.bfloat16)), or train in fp32.")
-        if getattr(args, "loss_type", "nll") not in ("nll", None) or getattr(self, "aux_loss_enabled", False):
-            raise AutospError(
-                f"{name}(sp={self.sp}): loss_type={args.loss_type!r} (or a MoE auxiliary loss) is TRL's own loss, "
-                "not the model's; autosp shards the model's own loss. Fix: loss_type='nll' (SFTConfig's default).")
+        self._check_loss()
         if self.compute_loss_func is not None or self.label_smoother is not None:
             raise AutospError(
                 f"{name}(sp={self.sp}): compute_loss_func / label_smoothing_factor need the whole logits, which "
                 "no rank holds under sequence parallelism. Fix: drop them (the model's own loss is sharded), or "
                 "write the loss into the model's forward.")
+
+    def _check_loss(self) -> None:
+        args = self.args
+        if getattr(args, "loss_type", "nll") not in ("nll", None) or getattr(self, "aux_loss_enabled", False):
+            raise AutospError(
+                f"{type(self).__name__}(sp={self.sp}): loss_type={args.loss_type!r} (or a MoE auxiliary loss) is "
+                "TRL's own loss, not the model's; autosp shards the model's own loss. Fix: loss_type='nll' "
+                "(SFTConfig's default).")
 
     # ------------------------------------------------------------------ the model
     def _wrap_model(self, model, training: bool = True, dataloader=None):
@@ -139,7 +150,26 @@ class AutospTrainerMixin:
                 dist.broadcast(t.data, src=0)
         # not accelerate.prepare's DDP: autosp's gradients are complete on every rank already (the Trainer
         # skips prepare for a model _wrap_model changed)
-        return autosp.compile(_CausalLMLoss(model), self.mesh, memory_budget=self.memory_budget)
+        return autosp.compile(self._loss_module(model), self.mesh, memory_budget=self.memory_budget)
+
+    def _loss_module(self, model) -> torch.nn.Module:
+        """The single-device code autosp shards: a module over `model` whose forward(**batch) is the loss."""
+        return _CausalLMLoss(model)
+
+    def _loss_batch(self, inputs: dict, num_items_in_batch) -> tuple[dict, int]:
+        """(the keyword tensors _loss_module's forward takes, the factor its loss is scaled by)."""
+        batch = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+        if "labels" not in batch:
+            raise AutospError(f"{type(self).__name__}: the batch has no 'labels' (keys {sorted(inputs)}); autosp "
+                              "shards the model's own loss, which needs them. Fix: a collator that sets labels, such "
+                              "as DataCollatorForLanguageModeling(tokenizer, mlm=False).")
+        scale = 1
+        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            # a tensor, not an int: a number would be a constant of the trace, compiled again every step
+            batch["num_items_in_batch"] = torch.as_tensor(num_items_in_batch, device=batch["labels"].device)
+            if self.args.average_tokens_across_devices:
+                scale = self.dp     # autosp averages over dp the dp ranks' sums over the global count
+        return batch, scale
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         from autosp.api import ShardedModule
@@ -151,22 +181,12 @@ class AutospTrainerMixin:
             raise AutospError(f"{name}.compute_loss(return_outputs=True) while training: under sequence "
                               "parallelism the step computes the loss only (no rank holds the whole logits). "
                               "Fix: ask for the loss alone.")
-        batch = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-        if "labels" not in batch:
-            raise AutospError(f"{name}: the batch has no 'labels' (keys {sorted(inputs)}); autosp shards the "
-                              "model's own loss, which needs them. Fix: a collator that sets labels, such as "
-                              "DataCollatorForLanguageModeling(tokenizer, mlm=False).")
-        scale = 1
-        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
-            # a tensor, not an int: a number would be a constant of the trace, compiled again every step
-            batch["num_items_in_batch"] = torch.as_tensor(num_items_in_batch, device=batch["labels"].device)
-            if self.args.average_tokens_across_devices:
-                scale = self.dp     # autosp averages over dp the dp ranks' sums over the global count
+        batch, scale = self._loss_batch(inputs, num_items_in_batch)
         try:
             loss = model(**batch)
         except AutospError as exc:
             raise type(exc)(f"{name}(sp={self.sp}): autosp cannot shard the loss of "
-                            f"{type(model.module.model).__name__} on {_shapes(batch)}:\n{exc}\nUnder the Trainer "
+                            f"{type(self.model).__name__} on {_shapes(batch)}:\n{exc}\nUnder the Trainer "
                             "the model must be one autosp shards: attention over the sequence (a transformers causal "
                             "LM, attn_implementation='sdpa' or 'eager').") from None
         return loss * scale if scale != 1 else loss
@@ -194,19 +214,18 @@ class AutospTrainerMixin:
 
 
 _OWN_LOSS_FIX = {
-    "DPOTrainer": "TRL's DPO loss reads per-token log-probabilities from TRL's fused LM head and a "
-    "reference model, which autosp does not shard. Fix: `autosp train --objective dpo` (the same loss, "
-    "sequence-parallel), or DPOTrainer without sp.",
+    "DPOTrainer": "Fix: AutospDPOTrainer (TRL's DPOTrainer with its loss sharded), or with_autosp(DPOTrainer).",
 }
 
 
-def _own_loss(cls: type):
-    """The class whose compute_loss `cls` would run instead of the model's loss, or None: Trainer's is the
-    model's loss; SFTTrainer's is too for its default loss_type 'nll' (checked with its arguments)."""
+def _own_loss(cls: type, sharded: tuple[str, ...]):
+    """The class whose compute_loss `cls` would run instead of the loss the mixin shards, or None. `sharded`: the
+    trainers (transformers' or TRL's) whose loss the mixin computes as they do: Trainer's is the model's loss,
+    SFTTrainer's too for its default loss_type 'nll' (checked with its arguments), DPOTrainer's is _DPOLoss."""
     for klass in cls.__mro__:
-        if "compute_loss" not in vars(klass) or klass is AutospTrainerMixin:
+        if "compute_loss" not in vars(klass) or issubclass(klass, AutospTrainerMixin):
             continue
-        if klass is Trainer or (klass.__name__ == "SFTTrainer" and klass.__module__.startswith("trl.")):
+        if klass.__name__ in sharded and klass.__module__.split(".")[0] in ("transformers", "trl"):
             return None
         return klass
     return None
@@ -256,7 +275,13 @@ def __getattr__(name: str):
     except ImportError as exc:
         raise AutospError(f"autosp.integrations.transformers.{name} extends TRL's {_TRL[name]}, and TRL is not "
                           f"installed ({exc}). Fix: pip install trl, or use AutospTrainer.") from None
-    cls = with_autosp(getattr(trl, _TRL[name]))
+    base = getattr(trl, _TRL[name])
+    if name == "AutospDPOTrainer":
+        from autosp.integrations.dpo import AutospDPOMixin
+        cls = type(name, (AutospDPOMixin, base), {"__doc__": "TRL's DPOTrainer, sequence-parallel (sp=...).",
+                                                   "__module__": __name__})
+    else:
+        cls = with_autosp(base)
     globals()[name] = cls
     return cls
 
@@ -272,6 +297,11 @@ def with_autosp(trainer_cls: type) -> type:
                           "with_autosp(MyTrainer) where MyTrainer extends Trainer (or one of TRL's trainers).")
     if issubclass(trainer_cls, AutospTrainerMixin):
         return trainer_cls
+    if any(k.__name__ == "DPOTrainer" and k.__module__.startswith("trl.") for k in trainer_cls.__mro__):
+        from autosp.integrations.dpo import AutospDPOMixin
+        return type(f"Autosp{trainer_cls.__name__}", (AutospDPOMixin, trainer_cls),
+                    {"__doc__": f"{trainer_cls.__name__}, sequence-parallel through autosp (sp=...).",
+                     "__module__": __name__})
     return type(f"Autosp{trainer_cls.__name__}", (AutospTrainerMixin, trainer_cls),
                 {"__doc__": f"{trainer_cls.__name__}, sequence-parallel through autosp (sp=...).",
                  "__module__": __name__})

@@ -1,0 +1,78 @@
+"""TRL's DPOTrainer, sequence-parallel: `AutospDPOTrainer(model=..., ref_model=..., args=DPOConfig(...), sp=2)`
+(autosp.integrations.transformers makes the class from TRL's on first use).
+
+The training loss is TRL's DPO loss (loss_type 'sigmoid', the default) written as single-device code over the
+policy and the reference model, which autosp shards: each sequence's log-probability of its completion is a sum
+over the sequence (one pending sum under sp, resolved by one all-reduce), the chosen rows before the rejected ones
+as TRL's collator stacks them; the reference's comes from `ref_model` in the same program (its parameters are
+inputs that take no gradient) or from the batch (`precompute_ref_log_probs=True`). TRL's training metrics
+(rewards, margins, entropy) are not logged under sp: they need per-token outputs no rank holds whole; evaluation
+is TRL's own, on the plain model.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from autosp.errors import AutospError
+from autosp.integrations.transformers import AutospTrainerMixin
+
+
+def completion_logps(model, input_ids, attention_mask, completion_mask):
+    """Each row's log-probability of its completion tokens: sum over t of log p(ids[t+1] | ids[:t+1]) where
+    completion_mask[t+1]. The next token and its mask are shifted (small tensors), not the logits."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    following = F.pad(input_ids, (0, 1))[:, 1:]
+    scored = F.pad(completion_mask, (0, 1))[:, 1:]
+    logp = logits.float().log_softmax(-1).gather(-1, following.unsqueeze(-1)).squeeze(-1)
+    return (logp * scored).sum(1)
+
+
+class DPOLoss(torch.nn.Module):
+    """-logsigmoid(beta ((chosen - ref chosen) - (rejected - ref rejected))), the mean over the batch's pairs."""
+
+    def __init__(self, policy: torch.nn.Module, ref: torch.nn.Module | None, beta: float):
+        super().__init__()
+        self.policy, self.ref, self.beta = policy, ref, beta
+
+    def forward(self, input_ids, attention_mask, completion_mask, ref_chosen_logps=None, ref_rejected_logps=None):
+        chosen, rejected = completion_logps(self.policy, input_ids, attention_mask, completion_mask).chunk(2)
+        if ref_chosen_logps is None:
+            ref_chosen_logps, ref_rejected_logps = completion_logps(
+                self.ref, input_ids, attention_mask, completion_mask).chunk(2)
+        margin = (chosen - ref_chosen_logps) - (rejected - ref_rejected_logps)
+        return -F.logsigmoid(self.beta * margin).mean()
+
+
+class AutospDPOMixin(AutospTrainerMixin):
+    """The sequence-parallel half of AutospDPOTrainer (with_autosp picks it for DPOTrainer and its subclasses)."""
+
+    _sharded_losses = ("Trainer", "DPOTrainer")
+    _BATCH = ("input_ids", "attention_mask", "completion_mask", "ref_chosen_logps", "ref_rejected_logps")
+
+    def _check_loss(self) -> None:
+        name = f"{type(self).__name__}(sp={self.sp})"
+        unsupported = {"loss_type": (self.loss_types, ["sigmoid"]), "f_divergence_type": (self.f_divergence_type,
+                       "reverse_kl"), "ld_alpha": (self.ld_alpha, None), "use_weighting": (self.use_weighting, False),
+                       "MoE auxiliary loss": (self.aux_loss_enabled, False)}
+        for key, (got, want) in unsupported.items():
+            if got != want and not (key == "f_divergence_type" and str(got).endswith("reverse_kl")):
+                raise AutospError(f"{name}: {key}={got!r}; autosp shards TRL's standard DPO loss (loss_type "
+                                  f"'sigmoid', reverse KL). Fix: {key}={want!r} in DPOConfig, or DPOTrainer "
+                                  "without sp.")
+        if self.ref_model is None and not self.precompute_ref_logps:
+            raise AutospError(f"{name}: no reference model (a PEFT model, whose reference is itself with its "
+                              "adapters off, which autosp does not trace). Fix: DPOConfig(precompute_ref_log_probs="
+                              "True), or pass ref_model=.")
+
+    def _loss_module(self, model) -> torch.nn.Module:
+        ref = None if self.precompute_ref_logps else self.accelerator.unwrap_model(self.ref_model)
+        if ref is not None:
+            # frozen, as TRL runs it under no_grad: its parameters are inputs of the program that take no gradient
+            # (else they would get one, and the Trainer's clipping would count it)
+            ref.requires_grad_(False)
+        return DPOLoss(model, ref, self.beta)
+
+    def _loss_batch(self, inputs: dict, num_items_in_batch) -> tuple[dict, int]:
+        # the loss is a mean over each dp rank's pairs, and autosp averages it over dp: the global mean
+        return {k: inputs[k] for k in self._BATCH if k in inputs}, 1
