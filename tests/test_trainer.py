@@ -1,6 +1,7 @@
 """autosp.integrations.transformers: the Trainer (and TRL's SFTTrainer and DPOTrainer) at sp 2, the Trainer at
-dp 2 too, equal the same trainer on one device (losses and the parameters after each step, fp32, a length sp does not divide), the
-README's example script runs, and bad use is an AutospError naming the fix."""
+dp 2 too, equal the same trainer on one device (losses, gradient norms and the parameters after each step, fp32,
+a length sp does not divide), the README's example script runs, and bad use is an AutospError naming the fix.
+bench/trainer_meshes.py runs the same cases at dp 2 x sp 2 and sp 4."""
 from __future__ import annotations
 
 import importlib.util
@@ -86,13 +87,13 @@ def _trainer_run(cls, out: str, batch: int, **kw):
     return trainer, _losses(trainer), snaps.steps
 
 
-def _sft_run(cls, out: str, folder: str, **kw):
+def _sft_run(cls, out: str, folder: str, batch: int = 2, **kw):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(folder)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(folder)
-    trainer = cls(model=model, args=_args(out, 2, sft=True, max_length=None, bf16=False), processing_class=tok,
+    trainer = cls(model=model, args=_args(out, batch, sft=True, max_length=None, bf16=False), processing_class=tok,
                   train_dataset=Dataset.from_list(_rows(len(tok), tokens_only=True)), **kw)
     trainer.train()
     return _losses(trainer)
@@ -112,22 +113,23 @@ def _pairs():
                                "rejected": DOCS[(i + 2) % 5][:12]} for i in range(ROWS)])
 
 
-def _dpo_run(cls, out: str, folder: str, **kw):
+def _dpo_run(cls, out: str, folder: str, batch: int = 2, **kw):
     """DPO of the tiny Llama against a frozen copy of itself, pairs padded to S tokens."""
     import copy
 
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(folder)
-    trainer = cls(model=model, ref_model=copy.deepcopy(model), processing_class=_tokenizer(folder), train_dataset=_pairs(),
-                  args=_args(out, 2, dpo=True, optim="sgd", learning_rate=0.5, bf16=False, pad_to_multiple_of=S), **kw)
+    args = _args(out, batch, dpo=True, optim="sgd", learning_rate=0.5, bf16=False, pad_to_multiple_of=S)
+    trainer = cls(model=model, ref_model=copy.deepcopy(model), processing_class=_tokenizer(folder),
+                  train_dataset=_pairs(), args=args, **kw)
     trainer.train()
     return _losses(trainer)
 
 
-def _example_run(assets: dict, sp: int, out: str) -> list[float]:
+def _example_run(assets: dict, sp: int, out: str, batch: int = 2) -> list[float]:
     trainer = _example("keep_your_trainer").main(
         ["--model", assets["model"], "--data", assets["data"], "--seq-len", str(S), "--sp", str(sp), "--out", out,
-         "--steps", str(STEPS), "--batch", "2", "--grad-accum", "2"])
+         "--steps", str(STEPS), "--batch", str(batch), "--grad-accum", "2"])
     return _losses(trainer)
 
 
@@ -173,22 +175,25 @@ def _ranks(rank, world, assets):
     return out
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> dict:
-    """A tiny Llama folder with its tokenizer (a byte-level BPE), and a JSONL of documents."""
+def make_assets(folder) -> dict:
+    """A tiny Llama folder with its tokenizer (a byte-level BPE), and a JSONL of documents, under `folder`."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    folder = tmp_path_factory.mktemp("trainer")
     tok = _example("extend_context").tokenizer(DOCS * 10, vocab=300)
-    tok.save_pretrained(str(folder / "model"))
+    tok.save_pretrained(os.path.join(folder, "model"))
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                       eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
-    LlamaForCausalLM(cfg).save_pretrained(str(folder / "model"))
-    with open(folder / "docs.jsonl", "w") as f:
-        for doc in DOCS * 2:
+    LlamaForCausalLM(cfg).save_pretrained(os.path.join(folder, "model"))
+    with open(os.path.join(folder, "docs.jsonl"), "w") as f:
+        for doc in DOCS * 8:          # 40 rows: whole steps at up to 8 rows a step, one device or dp 2
             f.write(json.dumps({"text": doc}) + "\n")
-    return {"model": str(folder / "model"), "data": str(folder / "docs.jsonl")}
+    return {"model": os.path.join(folder, "model"), "data": os.path.join(folder, "docs.jsonl")}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict:
+    return make_assets(str(tmp_path_factory.mktemp("trainer")))
 
 
 def _off(got: list[float], want: list[float]) -> float:
