@@ -222,7 +222,7 @@ def test_trainer_sft_and_dpo_at_sp2_and_dp2_equal_one_device_and_the_example_run
             assert _params_off(got[key], want_params) <= RTOL, (rank, key)
         assert "the batch has no 'labels'" in got["no labels"] and "DataCollatorForLanguageModeling" in got["no labels"]
         bad = got["no rule"]
-        assert "AutospTrainer(sp=2): autosp cannot shard the loss of _RunningMaxLM on input_ids [2, 45]" in bad \
+        assert "AutospTrainer(sp=2): autosp cannot compile the training step of _RunningMaxLM on input_ids [2, 45]" in bad \
             and "cummax" in bad and "test_trainer.py" in bad and "Fix" in bad, bad
 
 

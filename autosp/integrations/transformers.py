@@ -77,9 +77,9 @@ class AutospTrainerMixin:
         if own is not None:                         # before its __init__ runs: nothing built for nothing
             raise AutospError(
                 f"{type(self).__name__}(sp={sp}): {own.__name__}.compute_loss ({own.__module__}) computes its own "
-                f"loss, and autosp shards the model's own loss (model(**batch).loss) in its place. "
-                + _OWN_LOSS_FIX.get(own.__name__, "Fix: compute the loss in the model's forward (from `labels`), "
-                                    "or shard your loss function with autosp.shard(loss_fn, mesh) in your own loop."))
+                f"loss, and autosp shards the model's own loss (model(**batch).loss) in its place. Fix: compute the "
+                "loss in the model's forward (from `labels`), or shard your loss function with "
+                "autosp.shard(loss_fn, mesh) in your own loop.")
         super().__init__(*args, **kwargs)
         self._check_setup()
         world = self.args.world_size
@@ -185,10 +185,9 @@ class AutospTrainerMixin:
         try:
             loss = model(**batch)
         except AutospError as exc:
-            raise type(exc)(f"{name}(sp={self.sp}): autosp cannot shard the loss of "
-                            f"{type(self.model).__name__} on {_shapes(batch)}:\n{exc}\nUnder the Trainer "
-                            "the model must be one autosp shards: attention over the sequence (a transformers causal "
-                            "LM, attn_implementation='sdpa' or 'eager').") from None
+            # the first call compiles: autosp's own message (the op, the line, the fix), with the trainer's context
+            raise type(exc)(f"{name}(sp={self.sp}): autosp cannot compile the training step of "
+                            f"{type(self.model).__name__} on {_shapes(batch)}:\n{exc}") from None
         return loss * scale if scale != 1 else loss
 
     # ------------------------------------------------------------------ the data
@@ -213,15 +212,10 @@ class AutospTrainerMixin:
         self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self.sp
 
 
-_OWN_LOSS_FIX = {
-    "DPOTrainer": "Fix: AutospDPOTrainer (TRL's DPOTrainer with its loss sharded), or with_autosp(DPOTrainer).",
-}
-
-
 def _own_loss(cls: type, sharded: tuple[str, ...]):
     """The class whose compute_loss `cls` would run instead of the loss the mixin shards, or None. `sharded`: the
     trainers (transformers' or TRL's) whose loss the mixin computes as they do: Trainer's is the model's loss,
-    SFTTrainer's too for its default loss_type 'nll' (checked with its arguments), DPOTrainer's is _DPOLoss."""
+    SFTTrainer's too for its default loss_type 'nll' (checked with its arguments), DPOTrainer's is dpo.DPOLoss."""
     for klass in cls.__mro__:
         if "compute_loss" not in vars(klass) or issubclass(klass, AutospTrainerMixin):
             continue
@@ -275,14 +269,7 @@ def __getattr__(name: str):
     except ImportError as exc:
         raise AutospError(f"autosp.integrations.transformers.{name} extends TRL's {_TRL[name]}, and TRL is not "
                           f"installed ({exc}). Fix: pip install trl, or use AutospTrainer.") from None
-    base = getattr(trl, _TRL[name])
-    if name == "AutospDPOTrainer":
-        from autosp.integrations.dpo import AutospDPOMixin
-        cls = type(name, (AutospDPOMixin, base), {"__doc__": "TRL's DPOTrainer, sequence-parallel (sp=...).",
-                                                   "__module__": __name__})
-    else:
-        cls = with_autosp(base)
-    globals()[name] = cls
+    cls = globals()[name] = with_autosp(getattr(trl, _TRL[name]))
     return cls
 
 
@@ -297,11 +284,9 @@ def with_autosp(trainer_cls: type) -> type:
                           "with_autosp(MyTrainer) where MyTrainer extends Trainer (or one of TRL's trainers).")
     if issubclass(trainer_cls, AutospTrainerMixin):
         return trainer_cls
+    mixin = AutospTrainerMixin
     if any(k.__name__ == "DPOTrainer" and k.__module__.startswith("trl.") for k in trainer_cls.__mro__):
-        from autosp.integrations.dpo import AutospDPOMixin
-        return type(f"Autosp{trainer_cls.__name__}", (AutospDPOMixin, trainer_cls),
-                    {"__doc__": f"{trainer_cls.__name__}, sequence-parallel through autosp (sp=...).",
-                     "__module__": __name__})
-    return type(f"Autosp{trainer_cls.__name__}", (AutospTrainerMixin, trainer_cls),
+        from autosp.integrations.dpo import AutospDPOMixin as mixin     # TRL's DPO loss, sharded
+    return type(f"Autosp{trainer_cls.__name__}", (mixin, trainer_cls),
                 {"__doc__": f"{trainer_cls.__name__}, sequence-parallel through autosp (sp=...).",
                  "__module__": __name__})
