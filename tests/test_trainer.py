@@ -237,8 +237,9 @@ def test_bad_use_is_an_autosp_error_naming_the_fix(assets, tmp_path, monkeypatch
     with pytest.raises(AutospError, match=r"the world has 1 rank, which sp=2 does not divide.*Fix: launch a "
                                           r"multiple of 2 ranks \(torchrun --nproc-per-node 2"):
         AutospTrainer(model=model, args=args, train_dataset=data, sp=2)
-    with pytest.raises(AutospError, match=r"sp=0\): sp is the number of ranks .* an int >= 1. Fix: sp=2"):
-        AutospTrainer(model=model, args=args, train_dataset=data, sp=0)
+    for sp in (0, None):
+        with pytest.raises(AutospError, match=rf"sp={sp}\): sp is the number of ranks .* an int >= 1. Fix: sp=2"):
+            AutospTrainer(model=model, args=args, train_dataset=data, sp=sp)
     with pytest.raises(AutospError, match="label_smoothing_factor need the whole logits.*Fix: drop them"):
         AutospTrainer(model=model, args=_args(str(tmp_path), 2, label_smoothing_factor=0.1), train_dataset=data, sp=1)
 

@@ -68,7 +68,7 @@ class AutospTrainerMixin:
 
     _sharded_losses = ("Trainer", "SFTTrainer")
 
-    def __init__(self, *args, sp: int, memory_budget=None, **kwargs):
+    def __init__(self, *args, sp: int | None = None, memory_budget=None, **kwargs):
         if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
             raise AutospError(f"{type(self).__name__}(sp={sp!r}): sp is the number of ranks each sequence is "
                               "split over, an int >= 1. Fix: sp=2 (and launch with torchrun --nproc-per-node 2).")
