@@ -205,7 +205,11 @@ def check_train(a) -> None:
     if not 0 < a.eval_fraction < 1:
         raise AutospError(f"--eval-fraction {a.eval_fraction}: a fraction of --data in (0, 1). Fix: --eval-fraction 0.02.")
     a.tok = tokenizer_for(step.model, a.tokenizer)
-    a.inputs = inputs = prepare(a, a.tok, peek_vocab(step.model), step.seq_len)
+    if step.objective == "dpo":                  # preference pairs (run/pairs.py, run/dpo.py)
+        from autosp.run.dpo import prepare as prepare_pairs
+        a.inputs = inputs = prepare_pairs(a, a.tok, peek_vocab(step.model), step)
+    else:
+        a.inputs = inputs = prepare(a, a.tok, peek_vocab(step.model), step.seq_len)
     if inputs.note and not os.environ.get("AUTOSP_LAUNCHED"):
         print(f"autosp train: {inputs.note}", flush=True)
     a.step = step = replace(step, packing=inputs.packing)
