@@ -259,3 +259,32 @@ def reference_peak(tracer, length: int, device: str) -> int:
     with without_sources():
         _, local = autosp.shard(fn, tracer.mesh, ring=tracer.ring).graphs(tracer.params, ids, ids)
     return simulate(local, device=device).peak
+
+
+def prepare_reference(a, step, cache, model, params, mesh, *, start: int, part, dev) -> tuple:
+    """The reference log-probabilities of the pairs steps start+1 .. a.steps read: the run folder's table (a
+    --resume), completed by the reference pass of the model as it is now (the starting model: before step 1, or
+    the checkpoint resumed, whose table covers what it read). (table, its key, pairs computed now, the banner's
+    line)."""
+    import autosp
+    reference_source(a)
+    key = f"{cache.key} seed {a.seed} batch {step.global_batch}"
+    table = reference_table(a.out, cache, key)
+    before = int(np.isfinite(table[:, 0]).sum())
+    if start > 0:                                # the model is the checkpoint's now, not the starting one
+        from autosp.run.pairs import pair_ids
+        read = {r for n in range(start, a.steps) for r in pair_ids(cache.pairs, step.global_batch, n, a.seed)}
+        missing = sorted(r for r in read if not np.isfinite(table[r, 0]))
+        if missing:
+            raise AutospError(f"--resume --steps {a.steps}: steps {start + 1}-{a.steps} read {len(missing):,} pairs "
+                              f"whose reference log-probabilities {os.path.join(a.out, REFERENCE)} does not hold (it "
+                              "was made for the steps the run first asked for), and the starting model is gone. Fix: "
+                              "the --steps the run started with, or a new run (--out) from the checkpoint's model.")
+    fn = autosp.shard(lambda p, ids, labels: sequence_logps(model, p, ids, labels), mesh)
+    world = step.world
+    computed = 0 if start > 0 else reference_pass(table, fn, params, cache, step, steps=range(a.steps), seed=a.seed,
+                                                  part=part, dev=dev, world=world)
+    said = (f"reference: the frozen starting model, precomputed (forward only, sequence-parallel) for {computed:,} "
+            f"pairs" + (f", {before:,} read from {os.path.join(a.out, REFERENCE)}" if before else "")
+            + f"; beta {step.beta}")
+    return table, key, computed, said
