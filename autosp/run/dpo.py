@@ -247,17 +247,23 @@ def prepare(a, tok, vocab: int, step) -> PairInputs:
 
 def reference_peak(tracer, length: int, device: str) -> int:
     """The per-rank peak of the reference pass at `length` (forward only: `sequence_logps` of the step's 2k
-    sequences, sharded as the step is, its parameters gathered as the step gathers them), from the memory model
-    (remat.liveness.simulate of its per-rank program); the inputs, counted with the model state and token ids, aside."""
-    import autosp
-    from autosp.remat.liveness import simulate
-    from autosp.trace import without_sources
+    sequences, sharded as the step is, its parameters gathered as the step gathers them); the inputs, counted with
+    the model state and token ids, aside."""
     ids = torch.zeros(2 * tracer.batch, length, dtype=torch.long, device="meta")
 
     def fn(params, input_ids, labels):
         return sequence_logps(tracer.model, params, input_ids, labels)
+    return forward_peak(fn, tracer.mesh, (tracer.params, ids, ids), device, ring=tracer.ring)
+
+
+def forward_peak(fn, mesh, args, device: str, ring=None) -> int:
+    """The memory model's peak of `autosp.shard(fn, mesh)(*args)` run forward only (no_grad: nothing saved), per
+    rank: remat.liveness.simulate of its per-rank program, its inputs not counted."""
+    import autosp
+    from autosp.remat.liveness import simulate
+    from autosp.trace import without_sources
     with without_sources():
-        _, local = autosp.shard(fn, tracer.mesh, ring=tracer.ring).graphs(tracer.params, ids, ids)
+        _, local = autosp.shard(fn, mesh, ring=ring).graphs(*args)
     return simulate(local, device=device).peak
 
 
