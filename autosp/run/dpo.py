@@ -14,7 +14,7 @@ margins beta ((pc - rc) - (pr - rr)) come back beside it (the reward margin and 
 
 The reference is the frozen starting model. `reference_logps` is where a run gets them for a batch, as its source
 says: "precomputed" (full fine-tuning) reads a table made by one forward-only, sequence-parallel pass of the
-starting model over the pairs the run will read, before its first step, kept in the run folder (reference.npy) so
+starting model over every pair, before its first step, kept in the run folder (reference.npy) so
 that --resume reuses it. With LoRA the reference is the same model with its adapters off: a source "adapters-off"
 runs `sequence_logps` with the adapters disabled inside the step instead (no table, no second copy of the model).
 """
@@ -99,32 +99,28 @@ def save_reference(out: str, table: np.ndarray, key: str) -> None:
         json.dump({"key": key, "computed": int(np.isfinite(table[:, 0]).sum()), "pairs": len(table)}, f)
 
 
-def reference_pass(table: np.ndarray, logps_fn, params, cache, step, *, steps: range, seed: int, part, dev, world):
-    """Fill `table` with the frozen model's log-probabilities of every pair the steps `steps` (0-based) read, forward
-    only, each dp rank its own rows at the step's shape (one compiled program); the ranks' rows summed into every
-    rank's table. Returns the number of pairs computed here."""
+def reference_pass(table: np.ndarray, logps_fn, params, cache, step, *, part, dev) -> int:
+    """Fill `table` with the frozen model's log-probabilities of every pair it lacks, forward only, in batches of a
+    step's shape (one compiled program; the last batch filled up with pairs from the start), each dp rank its part of
+    each batch; the ranks' rows summed into every rank's table. Every pair, not only those the first --steps read:
+    a later --resume with more steps finds its pairs there (the starting model is gone by then). Returns the
+    number of pairs computed."""
     import torch.distributed as dist
 
-    from autosp.run.pairs import pair_batch
+    from autosp.run.pairs import rows_batch
+    todo = np.flatnonzero(~np.isfinite(table[:, 0])).tolist()
     sums = np.zeros_like(table)
     counts = np.zeros(len(table))
-    done = set(np.flatnonzero(np.isfinite(table[:, 0])).tolist())
-    k = step.rank_batch
+    batch, k = step.global_batch // step.grad_accum, step.rank_batch      # pairs per micro-step, per dp rank
+    r, _ = part
     with torch.no_grad():
-        for n in steps:
-            rows, ids, labels = pair_batch(cache, batch=step.global_batch, step=n, seed=seed, part=part)
-            for i in range(step.grad_accum):
-                mine = rows[i * k:(i + 1) * k]
-                if all(r in done for r in mine):
-                    continue
-                sel = np.r_[i * k:(i + 1) * k, len(rows) + i * k:len(rows) + (i + 1) * k]
-                lp = logps_fn(params, torch.from_numpy(ids[sel]).to(dev), torch.from_numpy(labels[sel]).to(dev))
-                lp = lp.double().cpu().numpy().reshape(2, -1).T                  # [k, 2]
-                for r, v in zip(mine, lp):
-                    if r not in done:
-                        sums[r] += v
-                        counts[r] += 1
-                done.update(mine)
+        for b in range(0, len(todo), batch):
+            rows = [todo[(b + j) % len(todo)] for j in range(batch)]
+            mine, ids, labels = rows_batch(cache, rows[r * k:(r + 1) * k])
+            lp = logps_fn(params, torch.from_numpy(ids).to(dev), torch.from_numpy(labels).to(dev))
+            for i, v in zip(mine, lp.double().cpu().numpy().reshape(2, -1).T):      # [k, 2]
+                sums[i] += v
+                counts[i] += 1
     both = torch.from_numpy(np.concatenate([sums, counts[:, None]], axis=1))
     dist.all_reduce(both)                        # each sp rank of a dp group computed the same rows
     both = both.numpy()
@@ -268,28 +264,20 @@ def forward_peak(fn, mesh, args, device: str, ring=None) -> int:
 
 
 def prepare_reference(a, step, cache, model, params, mesh, *, start: int, part, dev) -> tuple:
-    """The reference log-probabilities of the pairs steps start+1 .. a.steps read: the run folder's table (a
-    --resume), completed by the reference pass of the model as it is now (the starting model: before step 1, or
-    the checkpoint resumed, whose table covers what it read). (table, its key, pairs computed now, the banner's
-    line)."""
+    """The reference log-probabilities of every pair: the run folder's table (a --resume), or the reference pass of
+    the starting model before step 1. (table, its key, pairs computed now, the banner's line)."""
     import autosp
     reference_source(a)
-    key = f"{cache.key} seed {a.seed} batch {step.global_batch}"
+    key = cache.key                              # the pairs as tokenized and laid out (data, tokenizer, --seq-len)
     table = reference_table(a.out, cache, key)
     before = int(np.isfinite(table[:, 0]).sum())
-    if start > 0:                                # the model is the checkpoint's now, not the starting one
-        from autosp.run.pairs import pair_ids
-        read = {r for n in range(start, a.steps) for r in pair_ids(cache.pairs, step.global_batch, n, a.seed)}
-        missing = sorted(r for r in read if not np.isfinite(table[r, 0]))
-        if missing:
-            raise AutospError(f"--resume --steps {a.steps}: steps {start + 1}-{a.steps} read {len(missing):,} pairs "
-                              f"whose reference log-probabilities {os.path.join(a.out, REFERENCE)} does not hold (it "
-                              "was made for the steps the run first asked for), and the starting model is gone. Fix: "
-                              "the --steps the run started with, or a new run (--out) from the checkpoint's model.")
+    if start > 0 and before < cache.pairs:       # the model is the checkpoint's now, not the starting one
+        raise AutospError(f"--resume: {os.path.join(a.out, REFERENCE)} holds the reference log-probabilities of "
+                          f"{before:,} of the {cache.pairs:,} pairs (made for other data or --seq-len), and the starting model "
+                          "is gone. Fix: the --data, --tokenizer and --seq-len the run started with, or a new run "
+                          "(--out) from the checkpoint's model.")
     fn = autosp.shard(lambda p, ids, labels: sequence_logps(model, p, ids, labels), mesh)
-    world = step.world
-    computed = 0 if start > 0 else reference_pass(table, fn, params, cache, step, steps=range(a.steps), seed=a.seed,
-                                                  part=part, dev=dev, world=world)
+    computed = 0 if start > 0 else reference_pass(table, fn, params, cache, step, part=part, dev=dev)
     said = (f"reference: the frozen starting model, precomputed (forward only, sequence-parallel) for {computed:,} "
             f"pairs" + (f", {before:,} read from {os.path.join(a.out, REFERENCE)}" if before else "")
             + f"; beta {step.beta}")

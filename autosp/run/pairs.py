@@ -293,7 +293,11 @@ def pair_batch(cache: PairCache, *, batch: int, step: int, seed: int, part: tupl
     """(pair indices, ids, labels) of dp rank part[0]'s rows of step `step`: ids and labels int64 [2 k, L], the k
     chosen sequences first, then the k rejected ones in the same order."""
     r, d = part
-    mine = pair_ids(cache.pairs, batch, step, seed)[r * batch // d:(r + 1) * batch // d]
-    ids, labels = cache.ids[mine], cache.labels[mine]                   # [k, 2, L]
-    return (mine, np.ascontiguousarray(ids.transpose(1, 0, 2).reshape(-1, ids.shape[-1])).astype(np.int64),
-            np.ascontiguousarray(labels.transpose(1, 0, 2).reshape(-1, labels.shape[-1])).astype(np.int64))
+    return rows_batch(cache, pair_ids(cache.pairs, batch, step, seed)[r * batch // d:(r + 1) * batch // d])
+
+
+def rows_batch(cache: PairCache, rows: list[int]):
+    """(rows, ids, labels) of these pairs, laid out as pair_batch lays them out."""
+    def flat(x):                                                        # [k, 2, L] -> [2 k, L]
+        return np.ascontiguousarray(x.transpose(1, 0, 2).reshape(-1, x.shape[-1])).astype(np.int64)
+    return rows, flat(cache.ids[rows]), flat(cache.labels[rows])

@@ -34,6 +34,7 @@ def _reference_model(a, dev):
 def evaluate(a, model, params, mesh, dp_rank: int, dp: int, dev, autosp) -> dict:
     """eval.json's figures for the pairs of a.inputs (dpo.PairInputs)."""
     from autosp.run.dpo import sequence_logps
+    from autosp.run.pairs import rows_batch
     step, cache = a.step, a.inputs.pairs
     policy = autosp.shard(lambda p, ids, labels: sequence_logps(model, p, ids, labels), mesh)
     ref = None
@@ -55,7 +56,7 @@ def evaluate(a, model, params, mesh, dp_rank: int, dp: int, dev, autosp) -> dict
         for b in range(batches):
             rows = order[b * batch:(b + 1) * batch]
             mine = slice(dp_rank * batch // dp, (dp_rank + 1) * batch // dp)
-            _, ids, labels = _pairs(cache, rows[mine])
+            _, ids, labels = rows_batch(cache, rows[mine])
             ids, labels = torch.from_numpy(ids).to(dev), torch.from_numpy(labels).to(dev)
             lp = policy(params, ids, labels).double().cpu().view(2, -1)
             z = lp[0] - lp[1]
@@ -73,13 +74,6 @@ def evaluate(a, model, params, mesh, dp_rank: int, dp: int, dev, autosp) -> dict
             "pairs": int(round(n / step.sp)), "accuracy": float(sums[1]) / n, "margin": float(sums[2]) / n,
             "chosen_logp": float(sums[3]) / n, "rejected_logp": float(sums[4]) / n, "beta": step.beta,
             "reference": a.reference, "against": against}
-
-
-def _pairs(cache, rows: list[int]):
-    """pairs.pair_batch's layout (k chosen, then k rejected) for these pair indices."""
-    ids, labels = cache.ids[rows], cache.labels[rows]
-    flat = lambda x: np.ascontiguousarray(x.transpose(1, 0, 2).reshape(-1, x.shape[-1])).astype(np.int64)  # noqa: E731
-    return rows, flat(ids), flat(labels)
 
 
 def lines(r: dict) -> list[str]:
