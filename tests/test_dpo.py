@@ -174,6 +174,19 @@ def test_pairs_are_rendered_token_by_token_and_cut_from_the_prompts_start(assets
             assert labels == [-100] * len(prompt) + answer + [-100] * (L - n), (i, j)
     assert pairs.tokenize_pairs(data, text.Tokenizer.of(str(assets / "tok")), seq_len=L,
                                 cache_dir=str(tmp_path / "c"))[1]            # the cache, reused
+    # the same string pairs from Parquet and from a saved dataset, detected as pairs by their columns
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+    strings = [rows[0], rows[2]]
+    pq.write_table(pa.Table.from_pylist(strings), str(tmp_path / "p.parquet"))
+    Dataset.from_list(strings).save_to_disk(str(tmp_path / "saved"))
+    for other in (str(tmp_path / "p.parquet"), str(tmp_path / "saved")):
+        assert pairs.is_pairs(other)
+        got, _ = pairs.tokenize_pairs(other, text.Tokenizer.of(str(assets / "tok")), seq_len=L,
+                                      cache_dir=str(tmp_path / "c"))
+        assert got.ids.tolist() == cache.ids[[0, 2]].tolist() and got.labels.tolist() == cache.labels[[0, 2]].tolist()
+    assert not pairs.is_pairs(_jsonl(tmp_path / "t.jsonl", [{"text": "a document"}]))
     # a step's batch: its pairs' chosen rows, then their rejected rows
     rows_, ids, labels = pairs.pair_batch(cache, batch=2, step=0, seed=0)
     assert ids.tolist() == [cache.ids[r, 0].tolist() for r in rows_] + [cache.ids[r, 1].tolist() for r in rows_]
