@@ -210,7 +210,8 @@ class _Logs:
             n = row["step"]
             for key, tag in (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
                              ("tokens_per_s", "train/tokens_per_s"), ("eval_loss", "eval/loss"),
-                             ("eval_perplexity", "eval/perplexity")):
+                             ("eval_perplexity", "eval/perplexity"), ("reward_margin", "dpo/reward_margin"),
+                             ("reward_accuracy", "dpo/reward_accuracy")):
                 if row.get(key) is not None:
                     self.tb.add_scalar(tag, row[key], n)
             self.tb.add_scalar("memory/predicted_MiB", max(row["predicted_peak_bytes"]) / 2**20, n)
