@@ -281,8 +281,9 @@ def shard(fn=None, mesh=None, *, in_specs=None, out_specs=None, memory_budget=No
 
 
 def value_and_grad(fn, mesh, *, in_specs=None, out_specs=None, memory_budget=None, host_bandwidth=None,
-                   host_memory=None, ring=None, tiles=None, compile=False):  # noqa: A002
-    """JAX-style: (loss, grads of the first argument), both the single-device values on every sp rank."""
+                   host_memory=None, ring=None, tiles=None, compile=False, has_aux=False):  # noqa: A002
+    """JAX-style: (loss, grads of the first argument), both the single-device values on every sp rank.
+    has_aux: fn returns (loss, aux), aux not differentiated; the result is ((loss, aux), grads)."""
     step = shard(fn, mesh, in_specs=in_specs, out_specs=out_specs, memory_budget=memory_budget,
                  host_bandwidth=host_bandwidth, host_memory=host_memory, ring=ring, tiles=tiles, compile=compile)
 
@@ -290,11 +291,18 @@ def value_and_grad(fn, mesh, *, in_specs=None, out_specs=None, memory_budget=Non
         params = _differentiable(params)
         live, spec = pytree.tree_flatten(params)
         loss = step(params, *rest)
+        aux = None
+        if has_aux:
+            loss, aux = loss
         wrt = [x for x in live if isinstance(x, torch.Tensor) and x.requires_grad]
         grads = iter(torch.autograd.grad(loss, wrt, allow_unused=True))
         out = [next(grads) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in live]
         out = [torch.zeros_like(x) if g is None and isinstance(x, torch.Tensor) else g for x, g in zip(live, out)]
-        return loss.detach(), pytree.tree_unflatten(out, spec)
+        grads = pytree.tree_unflatten(out, spec)
+        if has_aux:
+            return (loss.detach(), pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x,
+                                                   aux)), grads
+        return loss.detach(), grads
 
     run.sharded = step
     run.plan = lambda params, *rest: step.plan(_differentiable(params), *rest)     # compiles; None without a budget

@@ -140,6 +140,9 @@ def _eval_parser(verbs) -> None:
                    help="a run's checkpoint (default: its newest)")
     v.add_argument("--batches", type=_positive(), default=8, help="batches of --data read (default 8)")
     v.add_argument("--buckets", type=_positive(), default=8, help="position buckets of the loss curve (default 8)")
+    v.add_argument("--reference", default=None, help="preference pairs (--objective dpo, or --data with prompt, "
+                   "chosen and rejected): the model the run started from, for DPO's implicit reward (default: none, "
+                   "the policy's log-probabilities compared)")
     v.add_argument("--passkey", action="store_true", help="passkey retrieval instead of --data")
     v.add_argument("--lengths", default=None, help="passkey prompt lengths in tokens, e.g. 1024,4096 (default "
                    "--seq-len)")
@@ -205,7 +208,11 @@ def check_train(a) -> None:
     if not 0 < a.eval_fraction < 1:
         raise AutospError(f"--eval-fraction {a.eval_fraction}: a fraction of --data in (0, 1). Fix: --eval-fraction 0.02.")
     a.tok = tokenizer_for(step.model, a.tokenizer)
-    a.inputs = inputs = prepare(a, a.tok, peek_vocab(step.model), step.seq_len)
+    if step.objective == "dpo":                  # preference pairs (run/pairs.py, run/dpo.py)
+        from autosp.run.dpo import prepare as prepare_pairs
+        a.inputs = inputs = prepare_pairs(a, a.tok, peek_vocab(step.model), step)
+    else:
+        a.inputs = inputs = prepare(a, a.tok, peek_vocab(step.model), step.seq_len)
     if inputs.note and not os.environ.get("AUTOSP_LAUNCHED"):
         print(f"autosp train: {inputs.note}", flush=True)
     a.step = step = replace(step, packing=inputs.packing)
@@ -334,7 +341,13 @@ def check_eval(a) -> None:
             raise AutospError("autosp eval: no --data to evaluate on. Fix: --data FILE (as autosp train takes it), or "
                               "--passkey.")
         a.eval_every, a.eval_data = 0, None
-        a.inputs = prepare(a, a.tok, peek_vocab(step.model), step.seq_len)
+        from autosp.run.pairs import is_pairs
+        if step.objective == "dpo" or is_pairs(a.data):     # preference accuracy (run/preference.py)
+            from autosp.run.dpo import prepare as prepare_pairs
+            step = replace(step, objective="dpo")
+            a.inputs = prepare_pairs(a, a.tok, peek_vocab(step.model), step)
+        else:
+            a.inputs = prepare(a, a.tok, peek_vocab(step.model), step.seq_len)
         if a.inputs.note and not os.environ.get("AUTOSP_LAUNCHED"):
             print(f"autosp eval: {a.inputs.note}", flush=True)
         step = replace(step, packing=a.inputs.packing)

@@ -226,7 +226,8 @@ def _cost_model(name: str) -> str:
 
 def _tracer(step: Step, spec) -> Tracer:
     return Tracer(spec, planning_mesh(step.sp, step.dp), step.dtype, step.rank_batch, step.sp,
-                  shard_params=step.sharded, ring=step.ring, reduce_dtype=step.grad_dtype, packing=step.packing)
+                  shard_params=step.sharded, ring=step.ring, reduce_dtype=step.grad_dtype, packing=step.packing,
+                  objective=step.objective, beta=step.beta)
 
 
 def _state_fails(step: Step, st: ModelState, share: int) -> str | None:
@@ -278,7 +279,9 @@ def longest(step: Step, *, parallel: bool = True, granularity: int | None = None
         host_rank = step.activation_host_bytes(st.host) if offload else None     # what the activations may take
         out = [f"autosp plan: {describe(spec)}\n  {n / 1e9:.3f}B parameters in {dtype}; mesh dp {dp} x sp {sp}"
                + (f" (ring {step.ring})" if step.ring else "") + f"; {fmt(mem)} per rank; cost model {_cost_model(device)}; "
-               f"{batch} sequence(s) per dp rank", _state_line(st, tracer, optimizer, dtype, dp, sp)]
+               f"{batch} sequence(s) per dp rank" + (f" (DPO: {batch} pair(s), {2 * batch} sequences per step, the reference "
+                                                 "pass planned by autosp plan --seq-len)" if step.objective == "dpo" else ""),
+               _state_line(st, tracer, optimizer, dtype, dp, sp)]
         host_line = _host_line(host, host_memory is not None, world, offload, None, state=st.host)
         refused = _state_fails(step, st, share)
         if refused:
@@ -536,6 +539,7 @@ class Fit:
     report: Report | None = None    # refused: `autosp plan` for the same flags (the longest that fits)
     verdict: bool | None = None     # the budget is what --memory leaves: whether the least peak fits it (fits)
     least_plan: tuple | None = None  # that verdict's (Plan, Program); the Program None when read from the plan cache
+    reference: int = 0              # DPO: the reference pass's peak (forward only, before the first step; dpo.py)
 
     @property
     def resident(self) -> int:
@@ -546,7 +550,7 @@ class Fit:
     @property
     def peak(self) -> int | None:
         """The predicted per-rank peak of allocated device bytes over a training step, model state included."""
-        return None if self.plan is None else self.resident + self.plan.peak_bytes
+        return None if self.plan is None else self.resident + max(self.plan.peak_bytes, self.reference)
 
     @property
     def fits(self) -> bool:
@@ -568,7 +572,7 @@ class Fit:
         s, L = self.step, self.step.seq_len
         mem = s.memory_bytes
         lines = [f"autosp plan: {s.model} at {L:,} tokens, dp {s.dp} x sp {s.sp}"
-                 + (f" (ring {s.ring})" if s.ring else "") + f", {s.global_batch} sequence(s) per step, "
+                 + (f" (ring {s.ring})" if s.ring else "") + f", {s.global_batch} {'pair(s)' if s.objective == 'dpo' else 'sequence(s)'} per step, "
                  f"{s.precision}, cost model {_cost_model(s.target)}" + (f"; {fmt(mem)} per rank" if mem is not None else "")]
         if self.fits:
             p = self.plan
@@ -591,8 +595,12 @@ class Fit:
             if p.tiling:
                 how += "; tiles " + ", ".join(_tiled_names(p.tiling))
             lines.append(f"   the step's plan: {how}; no-remat peak {fmt(p.no_remat_peak_bytes)}")
+            if s.objective == "dpo":
+                lines.append(f"   DPO: {s.rank_batch} pair(s) per rank and micro-step = {2 * s.rank_batch} sequences; the "
+                             f"reference pass (forward only, before the first step) peaks at {fmt(self.reference)}, "
+                             f"{'within' if self.reference <= p.peak_bytes else 'above'} the step's")
             lines.append(f"   step time per rank, the cost model's estimate: {_secs(self.seconds)} "
-                         f"({s.rank_batch * L / self.seconds:,.0f} tokens/s); collectives sent per rank: "
+                         f"({s.rank_batch * (2 if s.objective == 'dpo' else 1) * L / self.seconds:,.0f} tokens/s); collectives sent per rank: "
                          f"{fmt(sum(self.comm))}")
             lines.append(f"train it:\n  {s.train_command()}")
             return "\n".join(lines)
@@ -661,13 +669,16 @@ def at_length(step: Step, *, with_longest: bool = True, parallel: bool = True, q
         fit.budget = step.step_budget(fit.resident)
         fit.host_cap = step.activation_host_bytes(st.host)
         local = tracer.trace(step.seq_len, single=False).local
+        if step.objective == "dpo":                 # the run's peak is the larger of the step's and this one's
+            from autosp.run.dpo import reference_peak
+            fit.reference = reference_peak(tracer, step.seq_len, step.target)
         args = dict(device=step.target, host_bandwidth=step.host_bandwidth, host_memory=fit.host_cap)
         tiles = None if step.tile else {}
         if step.memory_budget is None and step.memory is not None:         # the budget is what --memory leaves
             least, program, _, _ = plan_step(local, "least", refine=False, tiles=tiles, plan_only=quick, **args)
             fit.least = least.peak_bytes
             fit.least_plan = (least, program)
-            fit.verdict = fit.least <= fit.budget
+            fit.verdict = max(fit.least, fit.reference) <= fit.budget
             if not fit.verdict:
                 fit.why = (f"the least peak autosp reaches is {fmt(fit.least)}, {fmt(fit.least - fit.budget)} over "
                            f"the {fmt(fit.budget)} --memory leaves the step")

@@ -96,6 +96,11 @@ def add_step_flags(p: argparse.ArgumentParser, verb: str) -> None:
     g.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR",
                    help="extend the context FACTOR times: linear, dynamic, yarn or llama3, as transformers' "
                         "rope_scaling (max_position_embeddings raised to match), e.g. yarn:4")
+    g.add_argument("--objective", choices=["sft", "dpo"], default="sft",
+                   help="sft: the next-token loss; dpo: preference pairs (prompt, chosen, rejected), each step runs "
+                        "the chosen and the rejected sequence of every pair against a frozen reference (default sft)")
+    g.add_argument("--beta", type=positive(float), default=0.1, help="DPO's beta: how far the policy may move from "
+                   "the reference (default 0.1)")
     g.add_argument("--dtype", dest="renamed_dtype", default=None, help=argparse.SUPPRESS)
 
 
@@ -125,6 +130,8 @@ class Step:
     rope_theta: float | None = None
     rope_scaling: str | None = None     # "yarn:4"
     grad_accum: int = 1                 # micro-steps per optimizer step
+    objective: str = "sft"              # "dpo": --batch counts pairs, each step runs 2 sequences per pair
+    beta: float = 0.1                   # DPO's beta
 
     # ------------------------------------------------------------ derived
     @property
@@ -197,7 +204,11 @@ class Step:
         return 3 if self.packing == "docs" else 1
 
     def token_bytes(self) -> int:
-        """The token ids (and labels, positions) a rank holds through its step."""
+        """The token ids (and labels, positions) a rank holds through its step; DPO: the ids and labels of two
+        sequences per pair and their fp32 reference log-probabilities (run/dpo.py)."""
+        if self.objective == "dpo":
+            from autosp.run.dpo import token_bytes
+            return token_bytes(self.rank_batch, self.seq_len or 0)
         return 8 * self.token_tensors * self.rank_batch * (self.seq_len or 0)
 
     def activation_host_bytes(self, optimizer_host: int) -> int:
@@ -256,6 +267,8 @@ class Step:
             out += ["--rope-theta", f"{self.rope_theta:g}"]
         if self.rope_scaling is not None:
             out += ["--rope-scaling", self.rope_scaling]
+        if self.objective != "sft":
+            out += ["--objective", self.objective, "--beta", f"{self.beta:g}"]
         return out
 
     def train_command(self) -> str:
@@ -352,7 +365,7 @@ def step_of(a, verb: str) -> Step:
                 memory_budget=parse_budget_flag(a.memory_budget), offload=a.offload, host_memory=a.host_memory,
                 optimizer=a.optimizer, optimizer_offload=a.optimizer_offload, tile=a.tile,
                 shard_params=a.shard_params, packing=a.packing or "concat", rope_theta=a.rope_theta,
-                rope_scaling=a.rope_scaling, grad_accum=a.grad_accum)
+                rope_scaling=a.rope_scaling, grad_accum=a.grad_accum, objective=a.objective, beta=a.beta)
     check(step, verb)
     return step
 

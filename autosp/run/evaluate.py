@@ -120,6 +120,9 @@ def worker(a) -> None:
         params = {k: v.detach() for k, v in model.named_parameters()}
         if a.passkey:
             result = _passkey(a, model, params, mesh, dp_rank, dp, dev, autosp)
+        elif step.objective == "dpo":
+            from autosp.run.preference import evaluate as preference
+            result = preference(a, model, params, mesh, dp_rank, dp, dev, autosp)
         else:
             result = _loss(a, model, params, mesh, dp_rank, dp, dev, autosp)
         if dist.get_rank() == 0:
@@ -202,6 +205,9 @@ def _report(a, result: dict) -> None:
                                                     f"{'-' if b['loss'] is None else format(b['loss'], '.3f')}"
                                                     for b in result["buckets"])]
         drawn = _plot_buckets(png, result)
+    elif result["kind"] == "preference":
+        from autosp.run.preference import lines
+        lines, drawn = lines(result), None
     else:
         lines = [f"autosp eval --passkey: {result['model']}, {result['samples']} prompts per cell, sp {result['sp']}",
                  "| length \\ depth | " + " | ".join(f"{d:g}" for d in result["depths"]) + " |",
@@ -209,8 +215,8 @@ def _report(a, result: dict) -> None:
         lines += [f"| {n:,} | " + " | ".join(f"{x:.2f}" for x in row) + " |"
                   for n, row in zip(result["lengths"], result["accuracy"])]
         drawn = _plot_passkey(png, result)
-    lines.append(f"  {os.path.join(a.out, name + '.json')}" + (f", {drawn}" if drawn else
-                                                              " (no PNG: matplotlib is not installed)"))
+    lines.append(f"  {os.path.join(a.out, name + '.json')}" + (f", {drawn}" if drawn else "" if result["kind"] ==
+                                                              "preference" else " (no PNG: matplotlib is not installed)"))
     print("\n".join(lines), flush=True)
 
 

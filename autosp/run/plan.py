@@ -93,10 +93,11 @@ class Tracer:
     `ring`: autosp.shard's (attention over sp = U x R)."""
 
     def __init__(self, spec, mesh, dtype, batch: int, sp: int, *, shard_params: bool = False, ring: int | None = None,
-                 reduce_dtype=torch.float32, packing: str = "concat"):
+                 reduce_dtype=torch.float32, packing: str = "concat", objective: str = "sft", beta: float = 0.1):
         import autosp
         from autosp.api import mesh_info
         self.sp, self.ring, self.packing = sp, ring, packing
+        self.objective, self.beta = objective, beta
         self.sharded = shard_params
         self.model = build_model(spec, device="meta", dtype=torch.float32 if shard_params else dtype)
         params = {k: v.detach().requires_grad_(True) for k, v in self.model.named_parameters()}
@@ -113,7 +114,19 @@ class Tracer:
         self.params = params
 
     def loss_fn(self, params, input_ids, labels, position_ids=None):
+        if self.objective == "dpo":                  # position_ids: the pairs' reference log-probabilities
+            from autosp.run.dpo import dpo_loss
+            return dpo_loss(self.model, self.beta)(params, input_ids, labels, position_ids)
         return step_loss(self.model, params, input_ids, labels, position_ids)
+
+    def step_args(self, length: int) -> tuple:
+        """The step's arguments on meta tensors: DPO's 2 sequences per pair (ids, labels) and their reference
+        log-probabilities (run/dpo.py); else the ids (as labels too) and, packed, position ids."""
+        if self.objective == "dpo":
+            ids = torch.zeros(2 * self.batch, length, dtype=torch.long, device="meta")
+            return (self.params, ids, ids, torch.zeros(2 * self.batch, device="meta"))
+        ids = torch.zeros(self.batch, length, dtype=torch.long, device="meta")
+        return (self.params, ids, ids) + ((torch.zeros_like(ids),) if self.packing == "docs" else ())
 
     shared = None       # a _Shared of the probe's two processes, while they run
 
@@ -142,8 +155,7 @@ class Tracer:
         that it names the line."""
         import autosp
         from autosp.trace import without_sources
-        ids = torch.zeros(self.batch, length, dtype=torch.long, device="meta")
-        args = (self.params, ids, ids) + ((torch.zeros_like(ids),) if self.packing == "docs" else ())
+        args = self.step_args(length)
         sharded = autosp.shard(self.loss_fn, mesh, ring=self.ring if mesh is self.mesh else None)
         try:
             with without_sources():

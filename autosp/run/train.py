@@ -210,7 +210,8 @@ class _Logs:
             n = row["step"]
             for key, tag in (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
                              ("tokens_per_s", "train/tokens_per_s"), ("eval_loss", "eval/loss"),
-                             ("eval_perplexity", "eval/perplexity")):
+                             ("eval_perplexity", "eval/perplexity"), ("reward_margin", "dpo/reward_margin"),
+                             ("reward_accuracy", "dpo/reward_accuracy")):
                 if row.get(key) is not None:
                     self.tb.add_scalar(tag, row[key], n)
             self.tb.add_scalar("memory/predicted_MiB", max(row["predicted_peak_bytes"]) / 2**20, n)
@@ -289,6 +290,11 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
     def loss_fn(params, input_ids, labels, position_ids):
         return step_loss(model, params, input_ids, labels, position_ids)
 
+    dpo = step.objective == "dpo"                # preference pairs: run/dpo.py's loss, reference and batches
+    if dpo:
+        from autosp.run import dpo as D
+        loss_fn = D.dpo_loss(model, step.beta)
+
     # the step as `autosp plan --seq-len` planned it: the same budget, host capacity, tiling and ring (the fullest
     # rank's model state); `own`: this rank's, what its prediction counts
     fit = Fit(step, state_model, step.token_bytes())
@@ -297,13 +303,20 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
     fit.host_cap = step.activation_host_bytes(state_model.host)
     step_fn = value_and_grad(loss_fn, mesh, memory_budget=1.0 if fit.budget is None else fit.budget,
                              host_bandwidth=step.host_bandwidth, host_memory=fit.host_cap, ring=step.ring,
-                             tiles=None if step.tile else {}, compile=a.compile)
+                             tiles=None if step.tile else {}, compile=a.compile, has_aux=dpo)
     part = (dp_rank, dp)
-    plan = step_fn.plan(params, *micro_batches(corpus, step, n=start, seed=a.seed, part=part, dev=dev)[0])
+    if dpo:
+        table, ref_key, ref_new, ref_line = D.prepare_reference(a, step, inputs.pairs, model, params, mesh,
+                                                                start=start, part=part, dev=dev)
+        first = D.micro_batches(inputs.pairs, table, step, n=start, seed=a.seed, part=part, dev=dev)[0]
+    else:
+        first = micro_batches(corpus, step, n=start, seed=a.seed, part=part, dev=dev)[0]
+    plan = step_fn.plan(params, *first)
+    del first
     # this rank's plan (compiling the step above refused a budget it cannot meet) and its own model state; a step
     # before the optimizer has state (a fresh run's first) peaks without the moments its update then makes
     predicted = own.resident + plan.peak_bytes
-    tokens_per_step = step.global_batch * step.seq_len
+    tokens_per_step = step.global_batch * step.seq_len * (2 if dpo else 1)
     n_params = count_parameters(model)
     accum = f" in {step.grad_accum} micro-steps" if step.grad_accum > 1 else ""
     _say(f"autosp train: {describe(spec)}, {n_params / 1e6:.2f}M parameters\n"
@@ -316,6 +329,7 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
                               if inputs.heldout is not None and a.eval_every else "") + "\n"
          + (f"  RoPE: {rope}, {spec.config.max_position_embeddings:,} positions\n"
             if step.rope_scaling or step.rope_theta else "")
+         + (f"  DPO: {step.global_batch} pairs per step = {2 * step.global_batch} sequences; {ref_line}\n" if dpo else "")
          + f"{_memory_lines(own, plan, step)}\n"
          f"  measured: {meter.kind}" + ("" if dev.type == "cuda" else f", steps 1-{MEASURED_STEPS}") + "\n"
          f"  {_state_line(model, world, dev, sharded, step.optimizer_offload, 2 if step.optimizer == 'adamw' else 0)}"
@@ -333,8 +347,12 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
         faults.maybe_fail("step", n)
         t0 = time.perf_counter()
         mine = predicted - (0 if opt.state else own.state.moments)
-        micro = micro_batches(corpus, step, n=n - 1, seed=a.seed, part=part, dev=dev)
-        loss = accumulated_step(step_fn, params, micro)
+        if dpo:
+            micro = D.micro_batches(inputs.pairs, table, step, n=n - 1, seed=a.seed, part=part, dev=dev)
+            loss, margins = D.accumulated_step(step_fn, params, micro)
+        else:
+            micro = micro_batches(corpus, step, n=n - 1, seed=a.seed, part=part, dev=dev)
+            loss = accumulated_step(step_fn, params, micro)
         del micro
         norm = torch.nn.utils.clip_grad_norm_(list(params.values()), a.clip) if a.clip > 0 else None
         if norm is not None and hasattr(norm, "full_tensor"):  # sharded gradients: a replicated DTensor
@@ -355,6 +373,7 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
         host = [int(m[1].item()) for m in mems]
         predictions = [int(m[2].item()) for m in mems]
         del mem, mems                            # not into the next step's peak
+        extra = D.step_metrics(margins, sp) if dpo else {}
         if measured[0] is not None:
             off = max((m - p) / p for m, p in zip(measured, predictions))
             worst = off if worst is None else max(worst, off)
@@ -372,7 +391,10 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
                    "memory_bytes": step.memory_bytes, "host_bytes": host, "peak_mem_kind": meter.kind}
             if eval_loss is not None:
                 row.update(eval_loss=eval_loss, eval_perplexity=math.exp(min(eval_loss, 50.0)))
+            row.update(extra)
             logs.write(row)
+            if dpo and n == start + 1 and ref_new:   # the run folder exists now: --resume reads the table back
+                D.save_reference(a.out, table, ref_key)
             shown = ("measured " + " ".join(f"r{i} {m / 2**20:.1f}M" for i, m in enumerate(measured))
                      if measured[0] is not None else "")
             told = (f"{predictions[0] / 2**20:.1f}M" if len(set(predictions)) == 1 else
