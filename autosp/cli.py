@@ -92,6 +92,13 @@ def _data_flags(g, default: str = "the Python standard library's source as bytes
                    "folder's own; the byte-level presets read bytes)")
     g.add_argument("--text-field", default="text", help="the JSONL field / Parquet or dataset column of the text")
     g.add_argument("--cache-dir", default=None, help="where tokenized text is kept (default ~/.cache/autosp/tokens)")
+    g.add_argument("--messages-field", default="messages", help="the JSONL field / Parquet or dataset column of a "
+                   "conversation (a list of {role, content}): rows with it are chat data, rendered with the "
+                   "tokenizer's chat template")
+    g.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template to render chat data "
+                   "with (default: the tokenizer's own)")
+    g.add_argument("--loss-on", choices=["assistant", "all"], default=None, help="the tokens the loss is on: the "
+                   "assistant's answers (the default for chat data) or all")
     g.add_argument("--token-dtype", default="uint16", choices=["uint16", "uint32"], help="token type of a .bin file")
 
 
