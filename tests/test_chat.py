@@ -232,3 +232,93 @@ def test_the_loss_is_the_mean_over_the_global_batchs_answers_at_sp_2_4_and_dp_2(
             if name == "dp2xsp2":        # the dp ranks held unequal answer counts, a micro-batch none
                 mine = [reports[r][name]["counts"] for r in (0, 2)]
                 assert mine[0] != mine[1] and 0 in mine[0] + mine[1], mine
+
+
+# ---------------------------------------------------------------- bad rows, and the command line end to end
+
+def _model(folder, tok_dir=None, template=CHATML) -> str:
+    """A tiny Llama's config.json (vocab 128) with a chat tokenizer beside it."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "max_position_embeddings": 256, "tie_word_embeddings": False}, f)
+    chat_tokenizer(template).save_pretrained(str(folder))
+    return str(folder)
+
+
+def test_bad_rows_exit_2_naming_the_row_and_the_fix_and_write_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model, bare = _model(tmp_path / "model"), _model(tmp_path / "bare", template=None)
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    good = CONVERSATIONS[0]
+    files = {
+        "nofield": [{"messages": good}, {"text": "hello", "id": 2}],
+        "empty": [{"messages": good}, {"messages": good}, {"messages": []}],
+        "role": [{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]}],
+        "content": [{"messages": good}, {"messages": [{"role": "user", "content": ["hi", "there"]}]}],
+        "good": [{"messages": c} for c in CONVERSATIONS],
+    }
+    for name, rows in files.items():
+        with open(tmp_path / f"{name}.jsonl", "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "plain.jinja").write_text(PLAIN)
+    (tmp_path / "last.jinja").write_text("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }}{% if loop.last %}"
+                                         " the end{% endif %} .\n{% endfor %}")
+    (tmp_path / "doc.jsonl").write_text(json.dumps({"text": "the sky is blue"}) + "\n")
+
+    def train(data, *extra, at=model):
+        return ["train", "--model", at, "--data", str(tmp_path / data), "--cache-dir", str(cache), "--seq-len", "16",
+                "--out", str(run), *extra]
+    cases = [
+        (train("nofield.jsonl"), "nofield.jsonl line 2: no field 'messages' (it has 'text', 'id'). Fix:"),
+        (train("empty.jsonl"), "empty.jsonl line 3: its 'messages' is empty. Fix:"),
+        (train("role.jsonl"), "role.jsonl line 1: message 2 has role 'bot', not one of system, developer, user, "
+                              "assistant, tool. Fix: rename the role"),
+        (train("content.jsonl"), "content.jsonl line 2: message 1's content is a list, not text. Fix:"),
+        (train("good.jsonl", "--chat-template", str(tmp_path / "plain.jinja")),
+         "good.jsonl line 1: the chat template fails on it (TemplateError: no system messages). Fix:"),
+        (train("good.jsonl", "--chat-template", str(tmp_path / "last.jinja")),
+         "good.jsonl line 1: the answer of message 3 (assistant) cannot be found in the tokens"),
+        (train("good.jsonl", at=bare), "it has no chat template to render the conversations with. Fix: a tokenizer "
+                                       "that has one (an instruct model's), or --chat-template FILE"),
+        (train("good.jsonl", "--chat-template", str(tmp_path / "missing.jinja")), "--chat-template"),
+        (train("doc.jsonl", "--loss-on", "assistant"), "is text, with no assistant answers to keep. Fix:"),
+        (["eval", "--model", "tiny", "--data", str(tmp_path / "good.jsonl"), "--tokenizer", model, "--cache-dir",
+          str(cache)], "a preset, with no run or model folder to write eval.json and its PNGs into. Fix: --out DIR"),
+    ]
+    for argv, hint in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert hint in err and "Fix:" in err, (hint, err)
+    assert not run.exists()
+    assert not cache.exists() or os.listdir(cache) == []          # no cache, not even a half-written one
+    assert not any(n.startswith(("eval", "passkey")) for n in os.listdir(tmp_path))
+
+
+def test_train_on_chat_jsonl_at_sp2_then_eval_writes_into_the_run(tmp_path):
+    from autosp.run.models import build_model, model_config
+    from autosp.run.plan import step_loss
+    from tests.test_cli import ROOT, launched, losses
+    model, cache, run = _model(tmp_path / "model"), tmp_path / "cache", tmp_path / "run"
+    data = _jsonl(tmp_path / "chats.jsonl", CONVERSATIONS * 6)
+    common = ["--data", data, "--cache-dir", str(cache), "--seq-len", "45", "--sp", "2", "--timeout", "120"]
+    rc, stdout, stderr, _ = launched(["train", "--model", model, *common, "--batch", "2", "--steps", "2",
+                                      "--out", str(run)])
+    assert rc == 0, stderr
+    # the first step's loss: one device's mean over the answer tokens of the global batch, at the initial weights
+    corpus = corpus_of(chat.find(data, text.Tokenizer.of(model), "messages", None, str(cache)))
+    ids, labels, pos = (torch.from_numpy(x) for x in batch_inputs(corpus, seq_len=45, batch=2, step=0, seed=0,
+                                                                    packing="docs"))
+    assert ((labels != -100) & (labels != ids)).sum() == 0 and (labels == -100).sum() > (labels != -100).sum()
+    net = build_model(model_config(model), seed=0, device="cpu")
+    with torch.no_grad():
+        want = float(step_loss(net, dict(net.named_parameters()), ids, labels, pos))
+    got = losses(run)
+    assert len(got) == 2 and abs(got[0] - want) <= 1e-5 * abs(want), (got, want)
+    before = set(os.listdir(ROOT))
+    rc, stdout, stderr, _ = launched(["eval", "--model", str(run), *common, "--batches", "2"])
+    assert rc == 0, stderr
+    result = json.loads((run / "eval.json").read_text())
+    assert result["loss_on"] == "assistant" and result["loss"] > 0 and "the assistant's answers" in stdout, stdout
+    assert (run / "eval.png").is_file() and set(os.listdir(ROOT)) == before      # nothing in the working folder

@@ -348,6 +348,18 @@ def tokenize(path: str, tokenizer: text.Tokenizer, *, messages_field: str = "mes
 
 # ---------------------------------------------------------------- --loss-on
 
+def check_loss_on(a) -> None:
+    """--loss-on assistant on data that is not chat: refused before anything is tokenized."""
+    if getattr(a, "loss_on", None) != "assistant":
+        return
+    field = getattr(a, "messages_field", "messages")
+    for role, path in (("--data", a.data), ("--eval-data", getattr(a, "eval_data", None))):
+        if (path is not None or role == "--data") and not is_chat(path, field):
+            raise AutospError(f"--loss-on assistant: {role} {path or '(the default corpus)'} is text, with no assistant "
+                              f"answers to keep. Fix: chat data (rows with a {field!r} column, or --messages-field), "
+                              "or --loss-on all.")
+
+
 def loss_on(corpus, heldout, choice: str | None):
     """(corpus, held-out part, the choice made) with --loss-on applied: `assistant` keeps the answer mask (the
     default for chat data), `all` drops it (every token trained on); text has no answers to keep."""
@@ -358,6 +370,9 @@ def loss_on(corpus, heldout, choice: str | None):
                           "data (rows with a 'messages' column, or --messages-field), or --loss-on all.")
     if choice == "all":
         return (replace(corpus, answers=None), None if heldout is None else replace(heldout, answers=None), choice)
+    if heldout is not None and heldout.answers is None:
+        raise AutospError(f"--loss-on assistant: {corpus.name} is chat data and the held-out {heldout.name} is text. "
+                          "Fix: --eval-data with conversations too, or --loss-on all.")
     if not np.any(corpus.answers[corpus.offset:corpus.offset + corpus.length]):
         raise AutospError(f"--loss-on assistant: {corpus.name} holds no assistant answer. Fix: conversations with "
                           "assistant turns, or --loss-on all.")

@@ -104,6 +104,8 @@ def prepare(a, tok: text.Tokenizer | None, vocab: int, seq_len: int) -> Inputs:
     """The run's inputs from its flags (--data, --text-field, --cache-dir, --token-dtype, --packing, --eval-data,
     --eval-fraction); `vocab`: the model's, which the tokenizer and the tokens must fit."""
     notes = []
+    from autosp.run.chat import check_loss_on, loss_on
+    check_loss_on(a)
     if a.data is None and tok is not None and tok.path != "bytes":
         raise AutospError("--data: the default corpus is bytes, and this model has a tokenizer of its own. Fix: --data "
                           "with text it tokenizes (.jsonl, .parquet, .txt, a folder or a saved dataset), or tokens.")
@@ -127,7 +129,6 @@ def prepare(a, tok: text.Tokenizer | None, vocab: int, seq_len: int) -> Inputs:
                               "another --eval-fraction.")
         heldout = corpus.part(cut, corpus.length, f"the last {a.eval_fraction:g} of {corpus.name}")
         corpus = corpus.part(0, cut, corpus.name)
-    from autosp.run.chat import loss_on
     corpus, heldout, chosen = loss_on(corpus, heldout, getattr(a, "loss_on", None))
     packing = a.packing or ("docs" if corpus.documents is not None else "concat")
     if packing == "docs" and corpus.documents is None:
