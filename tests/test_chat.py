@@ -296,14 +296,17 @@ def test_bad_rows_exit_2_naming_the_row_and_the_fix_and_write_nothing(tmp_path, 
     assert not any(n.startswith(("eval", "passkey")) for n in os.listdir(tmp_path))
 
 
-def test_train_on_chat_jsonl_at_sp2_then_eval_writes_into_the_run(tmp_path):
+def test_train_on_chat_jsonl_at_sp2_then_eval_writes_into_the_run(tmp_path, monkeypatch, capfd):
+    """`autosp train` launched at sp 2; then `autosp eval` on its run folder as one rank of a user's torchrun runs
+    it (in this process: no second launch), from a working folder that must stay empty."""
     from autosp.run.models import build_model, model_config
     from autosp.run.plan import step_loss
-    from tests.test_cli import ROOT, launched, losses
+    from tests.dist import _free_port
+    from tests.test_cli import launched, losses
     model, cache, run = _model(tmp_path / "model"), tmp_path / "cache", tmp_path / "run"
     data = _jsonl(tmp_path / "chats.jsonl", CONVERSATIONS * 6)
-    common = ["--data", data, "--cache-dir", str(cache), "--seq-len", "45", "--sp", "2", "--timeout", "120"]
-    rc, stdout, stderr, _ = launched(["train", "--model", model, *common, "--batch", "2", "--steps", "2",
+    common = ["--data", data, "--cache-dir", str(cache), "--seq-len", "45", "--timeout", "120"]
+    rc, stdout, stderr, _ = launched(["train", "--model", model, *common, "--sp", "2", "--batch", "2", "--steps", "2",
                                       "--out", str(run)])
     assert rc == 0, stderr
     # the first step's loss: one device's mean over the answer tokens of the global batch, at the initial weights
@@ -316,9 +319,19 @@ def test_train_on_chat_jsonl_at_sp2_then_eval_writes_into_the_run(tmp_path):
         want = float(step_loss(net, dict(net.named_parameters()), ids, labels, pos))
     got = losses(run)
     assert len(got) == 2 and abs(got[0] - want) <= 1e-5 * abs(want), (got, want)
-    before = set(os.listdir(ROOT))
-    rc, stdout, stderr, _ = launched(["eval", "--model", str(run), *common, "--batches", "2"])
-    assert rc == 0, stderr
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(_free_port())).items():
+        monkeypatch.setenv(key, value)
+    import faulthandler
+    import signal
+    try:
+        assert main(["eval", "--model", str(run), *common, "--sp", "1", "--batches", "2"]) == 0
+    finally:                           # the rank's SIGUSR1 stack dump (cli._worker), not the test session's
+        faulthandler.unregister(signal.SIGUSR1)
+    stdout = capfd.readouterr().out
     result = json.loads((run / "eval.json").read_text())
     assert result["loss_on"] == "assistant" and result["loss"] > 0 and "the assistant's answers" in stdout, stdout
-    assert (run / "eval.png").is_file() and set(os.listdir(ROOT)) == before      # nothing in the working folder
+    assert (run / "eval.png").is_file() and os.listdir(cwd) == []          # nothing in the working folder
