@@ -151,8 +151,9 @@ def corpus_of(cache) -> Corpus:
     if meta.get("chat"):
         from autosp.run.chat import answers as answers_of
         answers = answers_of(cache)
+    what = "conversations rendered by the chat template of" if answers is not None else "documents tokenized by"
     return Corpus(f"{', '.join(meta['sources'][:3])}{' ...' if len(meta['sources']) > 3 else ''} ({meta['documents']:,} "
-                  f"documents tokenized by {os.path.basename(meta['tokenizer'])})", meta["tokens"], meta["vocab"] - 1,
+                  f"{what} {os.path.basename(meta['tokenizer'])})", meta["tokens"], meta["vocab"] - 1,
                   _array=cache.tokens, documents=np.asarray(cache.starts), eos=meta["eos"], answers=answers)
 
 
