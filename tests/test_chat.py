@@ -131,6 +131,8 @@ def test_the_cache_keeps_the_answer_mask_and_the_labels_are_the_answers(tok_dir,
     third, _ = chat.tokenize(data, tok, template_file=str(tmp_path / "plain.jinja"), cache_dir=str(tmp_path / "cache"),
                              workers=1, progress=False)
     assert third.folder not in (cache.folder, other.folder)
+    # --loss-on: chat data defaults to the answers; `all` drops the mask
+    assert chat.loss_on(corpus, None, None)[2] == "assistant" and chat.loss_on(corpus, None, "all")[0].answers is None
     # labels: the answer tokens' own, -100 elsewhere; with packed documents the first token of each stays -100
     for packing in ("concat", "docs"):
         ids, labels, _ = batch_inputs(corpus, seq_len=20, batch=corpus.sequences(20), step=0, seed=0, packing=packing)
