@@ -126,6 +126,13 @@ def test_the_cache_keeps_the_answer_mask_and_the_labels_are_the_answers(tok_dir,
     other, _ = chat.tokenize(str(tmp_path / "chats.parquet"), tok, messages_field="turns",
                              cache_dir=str(tmp_path / "cache"), workers=1, progress=False)
     assert other.folder != cache.folder and np.array_equal(chat.answers(other), corpus.answers)
+    # and so is a saved dataset's
+    from datasets import Dataset
+    Dataset.from_dict({"messages": CONVERSATIONS}).save_to_disk(str(tmp_path / "saved"))
+    assert chat.is_chat(str(tmp_path / "saved"))
+    saved, _ = chat.tokenize(str(tmp_path / "saved"), tok, cache_dir=str(tmp_path / "cache"), workers=1, progress=False)
+    assert np.array_equal(saved.tokens, corpus.tokens(0, corpus.length)) and np.array_equal(chat.answers(saved),
+                                                                                            corpus.answers)
     # another template is another cache
     (tmp_path / "plain.jinja").write_text(PLAIN.replace("raise_exception('no system messages')", "''"))
     third, _ = chat.tokenize(data, tok, template_file=str(tmp_path / "plain.jinja"), cache_dir=str(tmp_path / "cache"),
