@@ -21,7 +21,8 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 # the same template with {% generation %} around each answer: transformers' own assistant mask, the oracle
 CHATML_GENERATION = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
                      "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}{{ m['content'] }}"
-                     "<|im_end|>{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+                     "<|im_end|>{% endif %}\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # a plain template with no special tokens at all, which refuses a system message
 PLAIN = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system messages') }}{% endif %}"
          "{{ m['role'] }} : {{ m['content'] }} .\n{% endfor %}{% if add_generation_prompt %}assistant : {% endif %}")
@@ -88,7 +89,8 @@ def test_the_answers_are_the_assistant_turns_token_by_token():
         ids, mask = chat.render(tok, conv, CHATML)
         assert ids == tok(tok.apply_chat_template(conv, tokenize=False), add_special_tokens=False)["input_ids"]
         # each answer: the turn's content and its <|im_end|>, nothing of the prompt, in order
-        want = [tok(m["content"], add_special_tokens=False)["input_ids"] + [end] for m in conv if m["role"] == "assistant"]
+        want = [tok(m["content"], add_special_tokens=False)["input_ids"] + [end]
+                for m in conv if m["role"] == "assistant"]
         assert [ids[a:b] for a, b in _runs(mask)] == want, conv
         # transformers' own mask from a template marked with {% generation %} agrees on every token
         marked = tok.apply_chat_template(conv, chat_template=CHATML_GENERATION, tokenize=True, return_dict=True,

@@ -355,9 +355,9 @@ def check_loss_on(a) -> None:
     field = getattr(a, "messages_field", "messages")
     for role, path in (("--data", a.data), ("--eval-data", getattr(a, "eval_data", None))):
         if (path is not None or role == "--data") and not is_chat(path, field):
-            raise AutospError(f"--loss-on assistant: {role} {path or '(the default corpus)'} is text, with no assistant "
-                              f"answers to keep. Fix: chat data (rows with a {field!r} column, or --messages-field), "
-                              "or --loss-on all.")
+            raise AutospError(f"--loss-on assistant: {role} {path or '(the default corpus)'} is text, with no "
+                              f"assistant answers to keep. Fix: chat data (rows with a {field!r} column, or "
+                              "--messages-field), or --loss-on all.")
 
 
 def loss_on(corpus, heldout, choice: str | None):

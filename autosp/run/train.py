@@ -139,7 +139,8 @@ def micro_batches(corpus, step, *, n: int, seed: int, part: tuple[int, int], dev
     return out
 
 
-def evaluate(sharded, params: dict, corpus, step, *, batches: int, seed: int, part: tuple[int, int], dev) -> float | None:
+def evaluate(sharded, params: dict, corpus, step, *, batches: int, seed: int, part: tuple[int, int],
+             dev) -> float | None:
     """The mean loss over the labelled tokens of `batches` held-out batches (the same ones every time), forward
     only, each the size of a training micro-batch (the same compiled program), over every dp rank's part
     (token_mean.evaluate); None when they hold no labelled token."""
