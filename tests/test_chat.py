@@ -192,14 +192,15 @@ def _step_number(corpus, case) -> int:
 
 def _chat_ranks(rank, world, cases):
     """Each case of this world through the train loop's own functions (micro_batches, with_divisor,
-    accumulated_step, token_mean_loss), against one device's mean over every answer token of the global batch."""
+    accumulated_step, token_mean_loss, evaluate), against one device's mean over every answer token of the global
+    batch."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import autosp
     from autosp.run.config import Step
     from autosp.run.plan import step_loss
     from autosp.run.token_mean import accumulated_step, label_count, token_mean_loss, with_divisor
-    from autosp.run.train import micro_batches
+    from autosp.run.train import evaluate, micro_batches
     from tests.models import params_of, rank_errors, reference, tiny_llama
     torch.manual_seed(0)
     model = tiny_llama(vocab=64)
@@ -212,9 +213,18 @@ def _chat_ranks(rank, world, cases):
         micro = micro_batches(corpus, step, n=n, seed=0, part=(rank // sp, dp), dev=torch.device("cpu"))
         counts = [label_count(labels) for _, labels, _ in micro]
         params = {k: torch.nn.Parameter(v) for k, v in params_of(model).items()}
-        loss = accumulated_step(autosp.value_and_grad(token_mean_loss(model), mesh), params,
-                                with_divisor(micro, sp, dp))
+        step_fn = autosp.value_and_grad(token_mean_loss(model), mesh)
+        loss = accumulated_step(step_fn, params, with_divisor(micro, sp, dp))
         grads = {k: p.grad for k, p in params.items()}
+        if name == "dp2xsp2":            # --eval-every's held-out loss: the mean over two batches' answers
+            held = evaluate(step_fn.sharded, params, corpus, step, batches=2, seed=0, part=(rank // sp, dp),
+                            dev=torch.device("cpu"))
+            both = [torch.from_numpy(np.concatenate(x)) for x in zip(*(
+                batch_inputs(corpus, seq_len=seq_len, batch=step.rank_batch * dp, step=b, seed=0, packing="docs")
+                for b in range(2)))]
+            with torch.no_grad():
+                want = float(step_loss(model, params_of(model), *both))
+            out["eval"] = {"errors": {"eval loss": abs(held - want) / want}, "counts": []}
         ids, labels, pos = (torch.from_numpy(x) for x in batch_inputs(corpus, seq_len=seq_len, batch=batch, step=n,
                                                                         seed=0, packing="docs"))
         if answers:
