@@ -179,13 +179,17 @@ CASES = [("sp2", 2, 1, 45, 4, 2), ("sp4", 4, 1, 50, 2, 1), ("dp2xsp2", 2, 2, 45,
 
 
 def _step_number(corpus, case) -> int:
-    """A step whose micro-batches (of every dp rank) hold unequal answer counts, one of them none."""
+    """A step whose micro-batches (of every dp rank) hold unequal answer counts, one of them none, and an answer
+    that straddles an edge between sp ranks' shards."""
     _, sp, dp, seq_len, batch, accum = case
     for n in range(50):
         _, labels, _ = batch_inputs(corpus, seq_len=seq_len, batch=batch, step=n, seed=0, packing="docs")
         k = batch // (dp * accum)
         counts = [int((labels[g * k:(g + 1) * k, 1:] != -100).sum()) for g in range(dp * accum)]
-        if sum(counts) > 0 and (len(counts) == 1 or (0 in counts and len(set(counts)) > 1)):
+        chunk = -(-seq_len // sp)                    # each sp rank's tokens: the edges at multiples of it
+        straddle = any(((labels[:, e - 1] != -100) & (labels[:, e] != -100)).any()
+                       for e in range(chunk, seq_len, chunk))
+        if straddle and sum(counts) > 0 and (len(counts) == 1 or (0 in counts and len(set(counts)) > 1)):
             return n
     raise AssertionError("no such step")
 
