@@ -92,6 +92,13 @@ def _data_flags(g, default: str = "the Python standard library's source as bytes
                    "folder's own; the byte-level presets read bytes)")
     g.add_argument("--text-field", default="text", help="the JSONL field / Parquet or dataset column of the text")
     g.add_argument("--cache-dir", default=None, help="where tokenized text is kept (default ~/.cache/autosp/tokens)")
+    g.add_argument("--messages-field", default="messages", help="the JSONL field / Parquet or dataset column of a "
+                   "conversation (a list of {role, content}): rows with it are chat data, rendered with the "
+                   "tokenizer's chat template")
+    g.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template to render chat data "
+                   "with (default: the tokenizer's own)")
+    g.add_argument("--loss-on", choices=["assistant", "all"], default=None, help="the tokens the loss is on: the "
+                   "assistant's answers (the default for chat data) or all")
     g.add_argument("--token-dtype", default="uint16", choices=["uint16", "uint32"], help="token type of a .bin file")
 
 
@@ -149,7 +156,8 @@ def _eval_parser(verbs) -> None:
     v.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="where the key sits, as fractions of the prompt")
     v.add_argument("--samples", type=_positive(), default=4, help="passkey prompts per length and depth (default 4)")
     v.add_argument("--seed", type=int, default=0)
-    v.add_argument("--out", default=None, help="folder for eval.json and the PNGs (default: the run folder, else .)")
+    v.add_argument("--out", default=None, help="folder for eval.json and the PNGs (default: the run or model "
+                   "folder --model names)")
     _launcher_flags(v)
 
 
@@ -332,6 +340,9 @@ def check_eval(a) -> None:
     tok = a.tokenizer or (os.path.join(run, "tokenizer") if run and os.path.isdir(os.path.join(run, "tokenizer"))
                           else None)
     a.tok = tokenizer_for(step.model, tok)
+    if a.out is None:                  # before anything is tokenized or written: never the working folder
+        from autosp.run.evaluate import out_folder
+        a.out = out_folder(step.model, run)
     if a.passkey:
         if a.tok is None:
             raise AutospError(f"--model {step.model}: no tokenizer to write the passkey prompts with. Fix: --tokenizer.")
@@ -355,8 +366,6 @@ def check_eval(a) -> None:
     if in_torchrun() and int(os.environ["WORLD_SIZE"]) != world:
         raise AutospError(f"the launcher started {os.environ['WORLD_SIZE']} ranks, but --dp {step.dp} x --sp {step.sp} "
                           f"is {world}. Fix: --sp {int(os.environ['WORLD_SIZE']) // step.dp} (or leave --sp out).")
-    if a.out is None:
-        a.out = run or "."
     a.step = step
 
 

@@ -46,6 +46,8 @@ class Corpus:
     documents: np.ndarray | None = None          # the stream index where each document starts (text), sorted
     eos: int | None = None                       # the token that ends each document
     offset: int = 0                              # where this corpus starts in the stream it reads (a part of one)
+    answers: np.ndarray | None = None            # chat data (chat.py): uint8 per stream token, 1 on answer tokens;
+                                                 # set, every other token's label is -100 (--loss-on assistant)
 
     def tokens(self, lo: int, hi: int) -> np.ndarray:
         lo, hi = lo + self.offset, hi + self.offset
@@ -145,9 +147,14 @@ def open_corpus(path: str | None, dtype: str = "uint16", *, tokenizer=None, text
 def corpus_of(cache) -> Corpus:
     """The corpus of a text.TokenCache: its tokens and where each document starts."""
     meta = cache.meta
+    answers = None
+    if meta.get("chat"):
+        from autosp.run.chat import answers as answers_of
+        answers = answers_of(cache)
+    what = "conversations rendered by the chat template of" if answers is not None else "documents tokenized by"
     return Corpus(f"{', '.join(meta['sources'][:3])}{' ...' if len(meta['sources']) > 3 else ''} ({meta['documents']:,} "
-                  f"documents tokenized by {os.path.basename(meta['tokenizer'])})", meta["tokens"], meta["vocab"] - 1,
-                  _array=cache.tokens, documents=np.asarray(cache.starts), eos=meta["eos"])
+                  f"{what} {os.path.basename(meta['tokenizer'])})", meta["tokens"], meta["vocab"] - 1,
+                  _array=cache.tokens, documents=np.asarray(cache.starts), eos=meta["eos"], answers=answers)
 
 
 def check_corpus(corpus: Corpus, seq_len: int, vocab: int) -> None:
@@ -201,7 +208,7 @@ def batch_inputs(corpus: Corpus, *, seq_len: int, batch: int, step: int, seed: i
     rows = sequence_ids(corpus, seq_len, batch, step, seed)[r * batch // d:(r + 1) * batch // d]
     ids = np.stack([corpus.tokens(k * seq_len, (k + 1) * seq_len) for k in rows])
     if packing != "docs" or corpus.documents is None:
-        return ids, ids, None
+        return ids, _answers_only(corpus, rows, seq_len, ids), None
     idx = np.asarray(rows, dtype=np.int64)[:, None] * seq_len + np.arange(seq_len)[None, :]   # stream indices
     doc = np.searchsorted(corpus.documents, idx, side="right") - 1
     first = corpus.documents[doc]
@@ -209,4 +216,13 @@ def batch_inputs(corpus: Corpus, *, seq_len: int, batch: int, step: int, seed: i
     positions = idx - start
     labels = ids.copy()
     labels[(idx == first) & (positions == 0) & (idx > idx[:, :1])] = -100
-    return ids, labels, positions
+    return ids, _answers_only(corpus, rows, seq_len, labels), positions
+
+
+def _answers_only(corpus: Corpus, rows: list[int], seq_len: int, labels: np.ndarray) -> np.ndarray:
+    """The labels with -100 on every token that is not an answer's, where the corpus has answers (chat data)."""
+    if corpus.answers is None:
+        return labels
+    o = corpus.offset
+    keep = np.stack([np.asarray(corpus.answers[o + k * seq_len:o + (k + 1) * seq_len]) for k in rows]).astype(bool)
+    return np.where(keep, labels, -100)

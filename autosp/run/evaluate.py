@@ -9,7 +9,9 @@ batches (packed as training packs them), and its curve over `--buckets` equal bu
 sequence (eval.png): whether the far positions learned. The passkey test hides a random five-digit number at a
 depth of a filler text and asks for it back; a prompt counts as retrieved when the model's greedy choice at every
 token of the answer is that token (teacher forcing: the same verdict as greedy decoding, in one forward pass).
-Rank 0 writes OUT/eval.json and the PNGs.
+On chat data (chat.py) the loss is on the assistant's answers (--loss-on assistant, the default) or on every
+token (--loss-on all). Rank 0 writes eval.json and the PNGs into --out, by default the run or model folder read
+(out_folder): never the working folder.
 """
 from __future__ import annotations
 
@@ -76,6 +78,19 @@ def passkey_batch(tok, length: int, depth: float, samples: int, rng: np.random.G
         rows.append(ids)
         labels.append([-100] * (length - len(answer)) + answer)
     return np.asarray(rows, dtype=np.int64), np.asarray(labels, dtype=np.int64)
+
+
+def out_folder(model: str, run: str | None) -> str:
+    """Where eval writes its JSON and PNGs without --out: the run folder, else the model folder (a config.json's
+    folder); a preset has none, and the working folder is no default (files there get lost, or overwritten)."""
+    if run:
+        return run
+    if os.path.isdir(model):
+        return model
+    if os.path.isfile(model):
+        return os.path.dirname(os.path.abspath(model))
+    raise AutospError(f"autosp eval --model {model}: a preset, with no run or model folder to write eval.json and "
+                      "its PNGs into. Fix: --out DIR.")
 
 
 def _mesh(device: str, dp: int, sp: int):
@@ -155,11 +170,16 @@ def _loss(a, model, params, mesh, dp_rank, dp, dev, autosp) -> dict:
     both = torch.cat([sums, counts])
     dist.all_reduce(both)                          # each sp rank holds its dp rank's sums: every one counted sp times
     sums, counts = both[:a.buckets], both[a.buckets:]
+    loss_on = a.inputs.loss_on
+    if float(counts.sum()) == 0:
+        raise AutospError(f"autosp eval: the {a.batches} batches of {corpus.name} hold no token to score"
+                          + (" (no assistant answer within them)" if loss_on == "assistant" else "") + ". Fix: more "
+                          "--batches, a longer --seq-len" + (", or --loss-on all." if loss_on == "assistant" else "."))
     mean = float(sums.sum() / counts.sum())
     width = step.seq_len / a.buckets
     return {"kind": "loss", "model": step.model, "data": corpus.name, "seq_len": step.seq_len, "sp": step.sp,
             "batches": a.batches, "sequences": a.batches * step.global_batch, "tokens": int(counts.sum() / step.sp),
-            "loss": mean, "perplexity": math.exp(min(mean, 50.0)), "packing": step.packing,
+            "loss": mean, "perplexity": math.exp(min(mean, 50.0)), "packing": step.packing, "loss_on": loss_on,
             "buckets": [{"from": int(k * width), "to": int((k + 1) * width), "loss": float(s / c) if c else None,
                          "tokens": int(c / step.sp)} for k, (s, c) in enumerate(zip(sums, counts))]}
 
@@ -200,7 +220,8 @@ def _report(a, result: dict) -> None:
         lines = [f"autosp eval: {result['model']} on {result['data']}: {result['sequences']} sequences of "
                  f"{result['seq_len']:,} tokens ({result['packing']}), sp {result['sp']}",
                  f"  mean loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} over "
-                 f"{result['tokens']:,} tokens",
+                 f"{result['tokens']:,} tokens" + (" (the assistant's answers: --loss-on assistant)"
+                                                   if result.get("loss_on") == "assistant" else ""),
                  "  loss by position: " + ", ".join(f"{b['from']}-{b['to']}: "
                                                     f"{'-' if b['loss'] is None else format(b['loss'], '.3f')}"
                                                     for b in result["buckets"])]

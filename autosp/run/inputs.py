@@ -25,6 +25,7 @@ class Inputs:
     heldout: Corpus | None              # what --eval-every evaluates on
     packing: str                        # "docs" or "concat"
     note: str = ""                      # how the text came in (tokenized now, or the cache reused)
+    loss_on: str = "all"                # "assistant": chat data's answer tokens only are labelled (chat.py)
 
 
 def tokenizer_for(model: str, flag: str | None) -> text.Tokenizer | None:
@@ -72,16 +73,29 @@ def _tokenized(path: str, tok: text.Tokenizer | None, a, role: str) -> tuple[tex
         raise AutospError(f"{role} {path}: text, and the model has no tokenizer. Fix: --tokenizer FOLDER (a saved "
                           "Hugging Face tokenizer), or a model folder that holds its tokenizer's files.")
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    from autosp.run import chat
+    field, template = getattr(a, "messages_field", "messages"), getattr(a, "chat_template", None)
+    conversations = chat.is_chat(path, field)
+    if conversations:                                           # rendered by the chat template, answers masked
+        def find():
+            return chat.find(path, tok, field, template, a.cache_dir)
+    else:
+        def find():
+            return text.find(path, tok, a.text_field, a.cache_dir)
     if os.environ.get("AUTOSP_LAUNCHED") or local != 0:         # the launcher or local rank 0 writes it
         deadline = time.monotonic() + a.timeout
-        while (cache := text.find(path, tok, a.text_field, a.cache_dir)) is None:
+        while (cache := find()) is None:
             if time.monotonic() > deadline:
                 raise AutospError(f"{role} {path}: local rank 0 did not finish tokenizing it within --timeout "
                                   f"{a.timeout:g} s. Fix: a longer --timeout, or tokenize first (autosp train on one rank).")
             time.sleep(0.5)
         return cache, "its cache"
-    cache, reused = text.tokenize(path, tok, text_field=a.text_field, cache_dir=a.cache_dir,
-                                  progress=os.environ.get("RANK", "0") == "0")
+    if conversations:
+        cache, reused = chat.tokenize(path, tok, messages_field=field, template_file=template, cache_dir=a.cache_dir,
+                                      progress=os.environ.get("RANK", "0") == "0")
+    else:
+        cache, reused = text.tokenize(path, tok, text_field=a.text_field, cache_dir=a.cache_dir,
+                                      progress=os.environ.get("RANK", "0") == "0")
     how = "reused the cache" if reused else "tokenized it into the cache"
     return cache, f"{how} {cache.folder} ({cache.meta['tokens']:,} tokens, {cache.meta['documents']:,} documents)"
 
@@ -90,6 +104,8 @@ def prepare(a, tok: text.Tokenizer | None, vocab: int, seq_len: int) -> Inputs:
     """The run's inputs from its flags (--data, --text-field, --cache-dir, --token-dtype, --packing, --eval-data,
     --eval-fraction); `vocab`: the model's, which the tokenizer and the tokens must fit."""
     notes = []
+    from autosp.run.chat import check_loss_on, loss_on
+    check_loss_on(a)
     if a.data is None and tok is not None and tok.path != "bytes":
         raise AutospError("--data: the default corpus is bytes, and this model has a tokenizer of its own. Fix: --data "
                           "with text it tokenizes (.jsonl, .parquet, .txt, a folder or a saved dataset), or tokens.")
@@ -113,8 +129,9 @@ def prepare(a, tok: text.Tokenizer | None, vocab: int, seq_len: int) -> Inputs:
                               "another --eval-fraction.")
         heldout = corpus.part(cut, corpus.length, f"the last {a.eval_fraction:g} of {corpus.name}")
         corpus = corpus.part(0, cut, corpus.name)
+    corpus, heldout, chosen = loss_on(corpus, heldout, getattr(a, "loss_on", None))
     packing = a.packing or ("docs" if corpus.documents is not None else "concat")
     if packing == "docs" and corpus.documents is None:
         raise AutospError(f"--packing docs: {corpus.name} has no document boundaries (token files and the default "
                           "corpus are one stream). Fix: --packing concat, or text data (.jsonl, .parquet, .txt, ...).")
-    return Inputs(corpus, heldout, packing, "; ".join(notes))
+    return Inputs(corpus, heldout, packing, "; ".join(notes), chosen)

@@ -77,12 +77,14 @@ def master_bytes(model, ranks: int, sharded: bool, dtype) -> int:
     return total
 
 
-def step_loss(model, params, input_ids, labels, position_ids=None):
+def step_loss(model, params, input_ids, labels, position_ids=None, num_items=None):
     """The training step's loss, the single-device code autosp shards: a causal LM's mean next-token loss (position
-    ids for packed documents, data.py)."""
+    ids for packed documents, data.py); with `num_items` (a scalar tensor), its sum divided by it (token_mean.py)."""
     kwargs = {"labels": labels}
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
+    if num_items is not None:
+        kwargs["num_items_in_batch"] = num_items
     return torch.func.functional_call(model, params, (input_ids,), kwargs).loss
 
 

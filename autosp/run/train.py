@@ -26,10 +26,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from autosp.run import checkpoint, faults, metrics
+from autosp.run import checkpoint, faults, metrics, token_mean
 from autosp.run.data import batch_inputs
 from autosp.run.models import build_model, count_parameters, describe, spec_of
 from autosp.run.optim import make_optimizer, make_schedule, state_bytes
+from autosp.run.token_mean import accumulated_step, token_mean_loss, with_divisor
 
 
 def _say(*a):
@@ -138,40 +139,18 @@ def micro_batches(corpus, step, *, n: int, seed: int, part: tuple[int, int], dev
     return out
 
 
-def accumulated_step(step_fn, params: dict, micro: list[tuple]):
-    """The loss of a step over its micro-batches and their gradients summed into each parameter's .grad: each
-    micro-batch weighted by its share of the tokens that have a label, so the step is the one on the whole batch
-    (the model's loss is a mean over those tokens)."""
-    counts = [int((labels[:, 1:] != -100).sum()) for _, labels, _ in micro]
-    total = max(1, sum(counts))
-    loss = None
-    for (ids, labels, pos), count in zip(micro, counts):
-        part, grads = step_fn(params, ids, labels, pos)
-        w = count / total
-        part = part if len(micro) == 1 else part * w
-        loss = part if loss is None else loss + part
-        for name, p in params.items():
-            g = grads[name] if len(micro) == 1 else grads[name] * w
-            p.grad = g if p.grad is None else p.grad.add_(g)
-        del grads
-    return loss
-
-
-def evaluate(sharded, params: dict, corpus, step, *, batches: int, seed: int, part: tuple[int, int], dev) -> float:
-    """The mean loss over `batches` held-out batches (the same ones every time), forward only, each the size of a
-    training micro-batch (the same compiled program); token-weighted over the batches and the dp ranks."""
+def evaluate(sharded, params: dict, corpus, step, *, batches: int, seed: int, part: tuple[int, int],
+             dev) -> float | None:
+    """The mean loss over the labelled tokens of `batches` held-out batches (the same ones every time), forward
+    only, each the size of a training micro-batch (the same compiled program), over every dp rank's part
+    (token_mean.evaluate); None when they hold no labelled token."""
     from autosp.run.data import batch_inputs as inputs
-    total = torch.zeros(2, dtype=torch.float64)
-    with torch.no_grad():
-        for b in range(batches):
-            ids, labels, pos = inputs(corpus, seq_len=step.seq_len, batch=step.rank_batch * step.dp, step=b,
-                                      seed=seed, part=part, packing=step.packing)
-            count = int((labels[:, 1:] != -100).sum())
-            t = [None if x is None else torch.from_numpy(x).to(dev) for x in (ids, labels, pos)]
-            loss = sharded(params, *t)
-            total += torch.tensor([float(loss) * count, count], dtype=torch.float64)
-    dist.all_reduce(total)                       # every sp rank holds its dp rank's figures: the same for all
-    return float(total[0] / total[1])
+    held = []
+    for b in range(batches):
+        arrays = inputs(corpus, seq_len=step.seq_len, batch=step.rank_batch * step.dp, step=b, seed=seed, part=part,
+                        packing=step.packing)
+        held.append(tuple(None if x is None else torch.from_numpy(x).to(dev) for x in arrays))
+    return token_mean.evaluate(sharded, params, held, step.sp, step.dp)
 
 
 class _Logs:
@@ -234,7 +213,7 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
     from autosp.remat.offload import _host_pool, _pinned_pool
     from autosp.run.answer import Fit, model_state
     from autosp.run.models import rope_of
-    from autosp.run.plan import master_bytes, step_loss
+    from autosp.run.plan import master_bytes
     rank = dist.get_rank()
     step = a.step
     sp = step.sp
@@ -286,9 +265,8 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
         return
 
     params = dict(model.named_parameters())
-
-    def loss_fn(params, input_ids, labels, position_ids):
-        return step_loss(model, params, input_ids, labels, position_ids)
+    # the mean over the labelled tokens of the whole global batch, whatever each dp rank holds (token_mean.py)
+    loss_fn = token_mean_loss(model)
 
     dpo = step.objective == "dpo"                # preference pairs: run/dpo.py's loss, reference and batches
     if dpo:
@@ -310,7 +288,7 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
                                                                 start=start, part=part, dev=dev)
         first = D.micro_batches(inputs.pairs, table, step, n=start, seed=a.seed, part=part, dev=dev)[0]
     else:
-        first = micro_batches(corpus, step, n=start, seed=a.seed, part=part, dev=dev)[0]
+        first = with_divisor(micro_batches(corpus, step, n=start, seed=a.seed, part=part, dev=dev), sp, dp)[0]
     plan = step_fn.plan(params, *first)
     del first
     # this rank's plan (compiling the step above refused a budget it cannot meet) and its own model state; a step
@@ -351,7 +329,7 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
             micro = D.micro_batches(inputs.pairs, table, step, n=n - 1, seed=a.seed, part=part, dev=dev)
             loss, margins = D.accumulated_step(step_fn, params, micro)
         else:
-            micro = micro_batches(corpus, step, n=n - 1, seed=a.seed, part=part, dev=dev)
+            micro = with_divisor(micro_batches(corpus, step, n=n - 1, seed=a.seed, part=part, dev=dev), sp, dp)
             loss = accumulated_step(step_fn, params, micro)
         del micro
         norm = torch.nn.utils.clip_grad_norm_(list(params.values()), a.clip) if a.clip > 0 else None
