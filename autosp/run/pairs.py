@@ -31,9 +31,9 @@ import numpy as np
 
 from autosp.errors import AutospError
 from autosp.run import text
+from autosp.run.chat import ROLES
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
-ROLES = ("system", "user", "assistant", "tool")
 PAIRS_FORMAT = 1
 
 
