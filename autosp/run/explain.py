@@ -95,12 +95,12 @@ def explain_model(step, *, full: bool = False, png: str | None = None) -> str:
     dtype = step.dtype
     with fake_world(step.world):
         tracer = _tracer(step, spec)
-        st = model_state(step, tracer.param_bytes)
+        st = model_state(step, tracer.param_bytes, tracer.trainable_bytes)
         budget = step.step_budget(st.resident + step.token_bytes())
         budget = 0.5 if budget is None else budget
         if full:
             ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
-            text = autosp.explain(tracer.loss_fn, tracer.mesh, tracer.params, ids, ids, memory_budget=budget,
+            text = autosp.explain(tracer.loss_fn, tracer.mesh, *tracer.head, ids, ids, memory_budget=budget,
                                   ring=step.ring, host_bandwidth=step.host_bandwidth, device=device,
                                   host_memory=step.activation_host_bytes(st.host))
         p = tracer.trace(seq_len)
