@@ -46,7 +46,7 @@ def _reference(fn, adapters, base, ids, labels, dp, d):
         a = {k: v.detach().clone().requires_grad_(True) for k, v in adapters.items()}
         loss = fn(a, base, ids[i::dp] if dp > 1 else ids, labels[i::dp] if dp > 1 else labels)
         grads = torch.autograd.grad(loss, list(a.values()))
-        out_loss += float(loss) / dp
+        out_loss += float(loss.detach()) / dp
         for k, g in zip(a, grads):
             out_grads[k] = out_grads[k] + g / dp
     view = (ids[d::dp], labels[d::dp]) if dp > 1 else (ids, labels)
@@ -95,6 +95,37 @@ def _exact_job(rank, world, cases):
     return report, facts
 
 
+def _checkpoint_job(rank, world, folder):
+    """A LoRA step's checkpoint (train.py's code) holds the adapters and their AdamW state, not the base; read back
+    into a fresh model (the base rebuilt from the seed), it gives the same adapters and moments (--resume)."""
+    import autosp
+    from autosp.run import checkpoint
+    from autosp.run.lora import split
+    from autosp.run.optim import make_optimizer
+    from tests.models import batch
+    mesh = _mesh((world,))
+    runs = []
+    for n in range(2):
+        model = _model()
+        autosp.shard_params(model, mesh)
+        adapters, base = split(model)
+        opt = make_optimizer(model, lr=1e-3, weight_decay=0.1)
+        runs.append((model, adapters, opt))
+    model, adapters, opt = runs[0]
+    _, grads = autosp.value_and_grad(_loss(model), mesh)(adapters, split(model)[1], *batch(1, 32, 64))
+    for k, p in adapters.items():
+        p.grad = grads[k]
+    opt.step()
+    path = checkpoint.save(folder, 1, model, opt, {"step": 1})
+    keys = set(torch.distributed.checkpoint.FileSystemReader(path).read_metadata().state_dict_metadata)
+    fresh, fresh_adapters, fresh_opt = runs[1]
+    got = checkpoint.load(path, fresh, fresh_opt, {"step": 0})
+    same = all(torch.equal(adapters[k].to_local(), fresh_adapters[k].to_local()) for k in adapters)
+    moments = all(torch.equal(opt.state[adapters[k]][m].to_local(), fresh_opt.state[fresh_adapters[k]][m].to_local())
+                  for k in adapters for m in ("exp_avg", "exp_avg_sq"))
+    return got["step"], same, moments, sorted(k for k in keys if k.startswith("model."))
+
+
 def _check(results):
     assert_every_rank([r for r, _ in results])
     for _, facts in results:
@@ -102,9 +133,9 @@ def _check(results):
             assert only_adapters and no_base_grad and state, (key, only_adapters, no_base_grad, state)
 
 
-def _peak_job(rank, world, s):
-    """The measured peak of a LoRA step (base sharded in bf16? no: fp32 on CPU, sharded over the ranks) against
-    the plan the step runs: the same bounds as full fine-tuning's plan-vs-measured tests."""
+def _peak_job(rank, world, s, budgets):
+    """The measured peak of a LoRA step (fp32, the state sharded over the ranks) against the plan the step runs:
+    the same bounds as full fine-tuning's plan-vs-measured tests."""
     import autosp
     from autosp.memory import peak_bytes
     from autosp.run.lora import split
@@ -115,7 +146,7 @@ def _peak_job(rank, world, s):
     adapters, base = split(model)
     ids, labels = batch(1, s, 64, pad=5)
     out = []
-    for b in (1.0, "least"):
+    for b in budgets:
         step = autosp.value_and_grad(_loss(model), mesh, memory_budget=b)
         step(adapters, base, ids, labels)
         measured, _ = peak_bytes(lambda: step(adapters, base, ids, labels))
@@ -123,12 +154,96 @@ def _peak_job(rank, world, s):
     return out
 
 
-def test_lora_equals_one_device_at_sp_2_base_frozen_and_the_plan_holds_its_peak():
-    _check(run_ranks(_exact_job, 2, [((2,), 45, False), ((2,), 45, True)]))
-    for rows in run_ranks(_peak_job, 2, 512):
+def test_lora_at_sp_2_equals_one_device_holds_its_planned_peak_and_checkpoints_the_adapters(tmp_path):
+    """sp 2 at 45 tokens (not a multiple of 2), the state sharded; the measured peak of a LoRA step against its
+    plan at 512 tokens (measured 1,557,004 B against 1,556,996 B predicted; a remat plan's, 0.5 or the least, measured
+    747,212 against 747,204, is left out for time: its plan takes 6 s); a checkpoint holds the adapters (and their AdamW moments) alone, and --resume's load restores them."""
+    _check(run_ranks(_exact_job, 2, [((2,), 45, True)]))
+    for rows in run_ranks(_peak_job, 2, 512, [1.0]):
         for b, measured, predicted in rows:
             assert_peak(predicted, measured, atol=512, rtol=1e-4, what=f"LoRA step, budget {b}")
+    for step, same, moments, keys in run_ranks(_checkpoint_job, 2, str(tmp_path / "ckpt")):
+        assert step == 1 and same and moments, (step, same, moments)
+        assert keys and all(".lora_A." in k or ".lora_B." in k for k in keys), keys
 
 
 def test_lora_equals_one_device_at_sp_4_and_dp_2_x_sp_2():
-    _check(run_ranks(_exact_job, 4, [((4,), 50, True), ((2, 2), 48, True), ((2, 2), 45, False)]))
+    """sp 4 at 50 tokens (not a multiple of 4), sharded; dp 2 x sp 2 at 48 with the state whole on every rank."""
+    _check(run_ranks(_exact_job, 4, [((4,), 50, True), ((2, 2), 48, False)]))
+
+
+CONFIG = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096}
+
+
+def test_train_lora_at_sp_2_then_export_the_adapters_and_merged(tmp_path, capsys):
+    """`autosp train --lora-r 4` at sp 2 (2 steps, a byte-level model folder's config, random init from --seed):
+    each rank's measured peak is its prediction within the bounds of the plan-vs-measured tests, the banner names
+    what trains and what is frozen, the run record how the base is rebuilt; `autosp export` writes peft's adapter
+    folder, whose PeftModel.from_pretrained(base, folder) has the logits of the checkpoint's adapters on the base
+    (read back here without autosp's code), and `--merge` a Hugging Face folder with the same logits (to fp32
+    rounding: merging adds B A into the weight)."""
+    from peft import PeftModel
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    from autosp.cli import main
+    from autosp.run.lora import Lora, apply
+    from autosp.run.models import build_model, model_config
+    from tests.test_cli import launched, peaks
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(CONFIG))
+    run = tmp_path / "run"
+    rc, stdout, stderr, _ = launched(["train", "--model", str(folder), "--sp", "2", "--seq-len", "64", "--batch", "2",
+                                      "--steps", "2", "--lora-r", "4", "--out", str(run), "--timeout", "60"])
+    assert rc == 0, stderr
+    for n, r, measured, predicted in peaks(run):                   # each rank's measured peak, its prediction
+        assert_peak(predicted, measured, atol=512, rtol=1e-4, what=f"train --lora-r 4, step {n}, rank {r}")
+    assert "LoRA r 4, alpha 8, dropout 0" in stdout and "frozen in float32, sharded over 2 ranks" in stdout, stdout
+    record = json.loads((run / "autosp.json").read_text())
+    assert record["lora"]["base"] == "random init from --seed 0 on cpu", record
+    assert record["step"][-6:] == ["--lora-r", "4", "--lora-alpha", "8", "--lora-dropout", "0"], record
+    # the trained step's model: the base from the seed, the checkpoint's adapters (DCP read as a plain dict)
+    dcp_to_torch_save(str(run / "step-2"), str(tmp_path / "ckpt.pt"))
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=False)["model"]
+    assert saved and all(".lora_" in k for k in saved), sorted(saved)
+    trained = apply(build_model(model_config(str(folder)), seed=0), Lora(4, 8.0)).eval()
+    assert set(saved) == {k for k, p in trained.named_parameters() if p.requires_grad}
+    trained.load_state_dict(saved, strict=False)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = trained(ids).logits
+    assert main(["export", str(run), "--out", str(tmp_path / "adapters")]) == 0
+    assert "peft.PeftModel.from_pretrained(base, " in capsys.readouterr().out
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "adapters"))
+    peft = PeftModel.from_pretrained(build_model(model_config(str(folder)), seed=0), str(tmp_path / "adapters"))
+    assert main(["export", str(run), "--merge", "--out", str(tmp_path / "merged")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    with torch.no_grad():
+        assert torch.equal(peft.eval()(ids).logits, want)
+        torch.testing.assert_close(merged(ids).logits, want, rtol=1e-5, atol=1e-5)
+    assert not any(".lora_" in k for k in merged.state_dict())
+
+
+def test_lora_flags_refused_with_the_fix(tmp_path, capsys):
+    """Adapter flags without a rank, a dropout that is no probability, targets the model lacks, and --merge of a
+    run that trained every parameter: exit 2, the fix named, nothing written."""
+    from autosp.cli import main
+    from autosp.run.inputs import RUN_RECORD
+    out = tmp_path / "out"
+    for argv, hint in ((["--lora-alpha", "16"], "--lora-alpha without --lora-r"),
+                       (["--lora-r", "4", "--lora-dropout", "1.5"], "--lora-dropout 1.5: a probability"),
+                       (["--lora-r", "4", "--lora-targets", "qkv"], "qkv names no Linear module of LlamaForCausalLM. "
+                                                                    "Fix: --lora-targets from q_proj,k_proj,v_proj")):
+        argv = ["plan", "--model", "tiny", "--sp", "2", "--seq-len", "64", *argv]
+        assert main(argv) == 2, argv
+        assert hint in capsys.readouterr().err, argv
+    full = tmp_path / "full"
+    (full / "step-1").mkdir(parents=True)
+    (full / "step-1" / ".metadata").write_text("")
+    (full / "config.json").write_text(json.dumps(CONFIG))
+    (full / RUN_RECORD).write_text(json.dumps({"model": "tiny", "tokenizer": None, "step": []}))
+    assert main(["export", str(full), "--merge", "--out", str(out)]) == 2
+    assert "trained every parameter, no LoRA adapters" in capsys.readouterr().err
+    assert not out.exists()
