@@ -71,7 +71,10 @@ def wrap(model, lora: Lora):
     import warnings
     with warnings.catch_warnings():             # peft 0.21 asks transformers 5 a deprecated question once per model
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-        return get_peft_model(model, cfg)
+        # on the meta device (the planner's model) the adapters are made there too: initialising them on the CPU
+        # takes seconds for an 8B model, and its OpenMP threads then hang the planner's forked process
+        meta = next(model.parameters()).device.type == "meta"
+        return get_peft_model(model, cfg, low_cpu_mem_usage=meta)
 
 
 def apply(model, lora: Lora):
@@ -192,7 +195,9 @@ def record(lora: Lora, model, spec, seed: int, device: str) -> dict:
     """What the run record (autosp.json) says of a LoRA run: the adapters, and how the base is rebuilt (the
     checkpoints hold the adapters only)."""
     wrapped = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")})
+    frozen = next((p.dtype for p in model.parameters() if not p.requires_grad), None)
     return {"lora": {"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout, "targets": wrapped,
+                     "base_dtype": str(frozen).replace("torch.", ""),
                      "base": (f"the weights of {spec.weights}" if spec.weights else
                               f"random init from --seed {seed} on {device}"),
                      "weights": spec.weights, "seed": seed, "device": device}}
@@ -231,6 +236,9 @@ def rebuild(run: str, cfg, entry: dict, checkpoint: str):
                               "and none is visible. Fix: export on a machine with a GPU (the checkpoints hold the "
                               "adapters only), or train LoRA on a model folder's weights.")
         base = build_model(ModelSpec(run, cfg, None), seed=int(entry["seed"]), device=device).float().cpu()
+    kept = getattr(torch, entry.get("base_dtype", "float32"))
+    if kept != torch.float32:                   # the base the run computed with: rounded to the dtype it kept
+        base = base.to(kept).float()
     wrapped = wrap(base, Lora(int(entry["r"]), float(entry["alpha"]), float(entry["dropout"]),
                               tuple(entry["targets"])))
     model = wrapped.get_base_model()

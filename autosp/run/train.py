@@ -294,10 +294,11 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
 
     params, frozen = (dict(model.named_parameters()), None) if lora is None else lora_.split(model)
 
-    def loss_fn(params, input_ids, labels, position_ids):
-        return step_loss(model, params, input_ids, labels, position_ids)
-    if lora is not None:                         # (adapters, base, ...): only the adapters are differentiated
-        def loss_fn(params, base, input_ids, labels, position_ids):  # noqa: F811
+    if lora is None:
+        def loss_fn(params, input_ids, labels, position_ids):
+            return step_loss(model, params, input_ids, labels, position_ids)
+    else:                                        # (adapters, base, ...): only the adapters are differentiated
+        def loss_fn(params, base, input_ids, labels, position_ids):
             return lora_.step_loss(model, params, base, input_ids, labels, position_ids)
 
     # the step as `autosp plan --seq-len` planned it: the same budget, host capacity, tiling and ring (the fullest
