@@ -118,9 +118,11 @@ class Tracer:
                                          reduce_dtype=reduce_dtype)
             self.single_mesh = mesh if mesh_info(mesh).sp_size == 1 else planning_mesh(1, self.ranks)
         self.params = params
-        # the step's leading arguments: the parameters, or LoRA's adapters and frozen base
-        self.head = (params,) if lora is None else tuple(
-            {k: v for k, v in params.items() if v.requires_grad is want} for want in (True, False))
+        # the step's leading arguments: the parameters, or LoRA's adapters and frozen base (parameters without
+        # requires_grad, as train passes them: traced as Role.FROZEN)
+        self.head = (params,) if lora is None else (
+            {k: v for k, v in params.items() if v.requires_grad},
+            {k: torch.nn.Parameter(v, requires_grad=False) for k, v in params.items() if not v.requires_grad})
 
     def loss_fn(self, params, *args):
         if self.lora is not None:
