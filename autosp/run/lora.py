@@ -4,9 +4,9 @@
     adapters, base = split(model)                      # by requires_grad: what trains, what does not
     loss = step_loss(model, adapters, base, ids, labels, pos)
 
-`autosp.value_and_grad` differentiates its first argument: the base is a later argument, so autosp traces it as
-an input (not a parameter) and the backward neither computes its gradients nor keeps the activations only those
-gradients need. The base is kept in the compute dtype (bf16 with --precision bf16; sharded over the ranks as
+`autosp.value_and_grad` differentiates its first argument: the base is a later argument, its nn.Parameters without
+requires_grad, so autosp traces them as frozen parameters (Role.FROZEN: not differentiated, and not the batch) and
+the backward neither computes their gradients nor keeps the activations only those gradients need. The base is kept in the compute dtype (bf16 with --precision bf16; sharded over the ranks as
 autosp.shard_params lays it out, or whole with --no-shard-params), with no gradient and no optimizer state; the
 adapters are fp32 masters that AdamW steps. `Lora` is the Step's part (config.py's --lora-* flags); the planner
 (plan.Tracer) traces the same step on meta tensors, and answer.model_state counts the state this module
