@@ -82,7 +82,7 @@ class Sharded:
             pass
 
     def _signature(self, leaves):
-        return tuple((tuple(x.shape), x.dtype, x.requires_grad, x.device.type)
+        return tuple((tuple(x.shape), x.dtype, x.requires_grad, isinstance(x, torch.nn.Parameter), x.device.type)
                      + ((tuple(x.placements), _mesh_groups(x.device_mesh), mixed_precision(x)) if is_dtensor(x) else ())
                      if isinstance(x, torch.Tensor) else ("static", x) for x in leaves)
 

@@ -171,6 +171,8 @@ def _export_parser(verbs) -> None:
                    help="the checkpoint (default: the newest)")
     x.add_argument("--out", required=True, help="the folder to write")
     x.add_argument("--shard-size", default="2GB", help="safetensors shard size (default 2GB)")
+    x.add_argument("--merge", action="store_true", help="a LoRA run: the base with the adapters merged, a whole "
+                   "Hugging Face folder (default: the adapter folder peft.PeftModel.from_pretrained loads)")
 
 
 TRAIN_EXTRA = "pip install 'autosp[train]'"
@@ -381,8 +383,11 @@ def _eval(a, argv) -> int:
 
 def _export(a) -> int:
     from autosp.run.export import export
-    path = export(a.run, a.out, step=a.ckpt_step, shard_size=a.shard_size)
-    print(f"autosp export: {path} -> {a.out} (AutoModelForCausalLM.from_pretrained({a.out!r}) loads it)", flush=True)
+    path = export(a.run, a.out, step=a.ckpt_step, shard_size=a.shard_size, merge=a.merge)
+    from autosp.run.lora import run_lora
+    loads = ("AutoModelForCausalLM" if a.merge or run_lora(a.run) is None else "peft.PeftModel") + \
+        f".from_pretrained({'base, ' if not a.merge and run_lora(a.run) else ''}{a.out!r})"
+    print(f"autosp export: {path} -> {a.out} ({loads} loads it)", flush=True)
     return 0
 
 

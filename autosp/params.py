@@ -161,6 +161,8 @@ def stand_in(x, ps: ParamShard | None, mode):
     dtype = ps.dtype if ps is not None else x.dtype
     with mode:
         t = torch.empty(tuple(x.shape), dtype=dtype, device=x.to_local().device)
+    if isinstance(x, nn.Parameter) and not x.requires_grad:     # a frozen parameter is traced as one (Role.FROZEN)
+        return nn.Parameter(t, requires_grad=False)
     return t.requires_grad_(x.requires_grad)
 
 

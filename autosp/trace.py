@@ -95,7 +95,8 @@ def trace(fn, *args) -> Graph:
 
     inputs = []
     for pos, t in zip(tensor_pos, real):
-        role = Role.PARAM if t.requires_grad else Role.INPUT
+        role = (Role.PARAM if t.requires_grad else
+                Role.FROZEN if isinstance(t, torch.nn.Parameter) and t.is_floating_point() else Role.INPUT)
         inputs.append(Var(names[pos], t.dtype, tuple(t.shape), str(t.device), role=role))
     return lift(gm, inputs, in_spec, out_spec_box[-1], tuple(static))
 

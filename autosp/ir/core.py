@@ -21,6 +21,8 @@ from autosp.ir.ops import Op
 class Role(enum.Enum):
     INPUT = "input"        # a graph input the caller passes (batch values)
     PARAM = "param"        # a graph input that is differentiated (requires_grad)
+    FROZEN = "frozen"      # a graph input that is a parameter not differentiated (an nn.Parameter without
+                           # requires_grad: LoRA's base): no gradient, and, like a PARAM, not the batch
     CONST = "const"        # a tensor captured from the function's closure (buffers)
     TANGENT = "tangent"    # a joint graph's input: the gradient seed of a forward output
     VALUE = "value"        # produced by an equation

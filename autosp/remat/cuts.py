@@ -52,7 +52,19 @@ def crossing(problem: IlpProblem, needs: Needs, among=None) -> np.ndarray:
     return np.cumsum(diff)[:-1]
 
 
-def cuts(problem: IlpProblem, needs: Needs, acts: set[str], slack: float = 0.5) -> list[list[int]]:
+def units(problem: IlpProblem, needs: Needs, acts: set[str], n: int = 2) -> list[float]:
+    """The `n` value sizes that hold the most bytes among the activations, the most first: a transformer's residual
+    stream, or where more values share the MLP's width (LoRA's adapters add B A x and its scaled copy beside every
+    projection) that width first and the residual's second."""
+    weight = Counter()
+    for i, v in enumerate(needs.values):
+        if v in acts:
+            weight[float(problem.value_bytes[i])] += float(problem.value_bytes[i])
+    return [size for size, _ in weight.most_common(n)]
+
+
+def cuts(problem: IlpProblem, needs: Needs, acts: set[str], slack: float = 0.5,
+         unit: float | None = None) -> list[list[int]]:
     """The cuts of the forward, in order, each as the activations (`acts`: names; positions in
     problem.values returned) crossing it. The unit is the size that holds the most bytes among the
     activations (a transformer's residual stream); a cut is a point where between a half and
@@ -61,10 +73,8 @@ def cuts(problem: IlpProblem, needs: Needs, acts: set[str], slack: float = 0.5) 
     among = {i for i, v in enumerate(needs.values) if v in acts}
     if not among:
         return []
-    weight = Counter()
-    for i in among:
-        weight[float(problem.value_bytes[i])] += float(problem.value_bytes[i])
-    unit = max(weight, key=weight.get)
+    if unit is None:
+        unit = units(problem, needs, acts, 1)[0]
     B = crossing(problem, needs, among)
     made = problem.value_eqn
     last = _last_reads(needs, among)
@@ -122,18 +132,20 @@ def checkpoint_plans(problem: IlpProblem, needs: Needs, acts: set[str],
                      host: float | None = None) -> list[tuple[str, np.ndarray]]:
     """Per-layer checkpointing at every cut, every other cut (both phases) and every fourth: (how,
     assignment) of each that keeps the activations crossing them (checkpoint_plan), the feasible ones,
-    without repeats. `acts`: activations(joint)."""
-    found = cuts(problem, needs, acts)
+    without repeats; the cuts of each of the two sizes that hold the most activation bytes (units), since which of
+    them is the residual stream's depends on the model. `acts`: activations(joint)."""
     out, seen = [], set()
-    for (step, phase), which in _SPACINGS.items():
-        chosen = found[phase::step]
-        if not chosen or (step > 1 and len(found) < 2 * step):
-            continue
-        x = checkpoint_plan(problem, needs, {i for c in chosen for i in c}, host)
-        key = x.tobytes()
-        if key not in seen and problem.feasible(x):
-            seen.add(key)
-            out.append((f"per-layer checkpointing: what crosses {which} of {len(found)} kept", x))
+    for unit in units(problem, needs, acts):
+        found = cuts(problem, needs, acts, unit=unit)
+        for (step, phase), which in _SPACINGS.items():
+            chosen = found[phase::step]
+            if not chosen or (step > 1 and len(found) < 2 * step):
+                continue
+            x = checkpoint_plan(problem, needs, {i for c in chosen for i in c}, host)
+            key = x.tobytes()
+            if key not in seen and problem.feasible(x):
+                seen.add(key)
+                out.append((f"per-layer checkpointing: what crosses {which} of {len(found)} kept", x))
     return out
 
 

@@ -44,24 +44,30 @@ class ModelState:
         return self.params + self.moments
 
 
-def model_state(step: Step, param_bytes: int) -> ModelState:
+def model_state(step: Step, param_bytes: int, trainable: int | None = None) -> ModelState:
     """The model state one rank keeps, from `param_bytes` (plan.master_bytes: this rank's parameters as the step
     keeps them). Replicated: parameters and gradients in the compute dtype and fp32 moments on every rank.
     Sharded (FSDP2 mixed precision, autosp.shard_params): every rank keeps 1/N of the fp32 master parameters,
     of their fp32 gradients (what reduce_scatter_param returns) and of the fp32 moments; the compute copy
     is gathered by the step (in its peak). --optimizer-offload (ZeRO-Offload): the moments, an fp32 master
     copy and an fp32 gradient copy of the rank's part live on host instead; the device keeps the parameters
-    and, through the step, their gradients."""
+    and, through the step, their gradients. `trainable`: with LoRA, the fp32 bytes of this rank's adapters
+    (lora.adapter_bytes), the only parameters with a gradient and moments; `param_bytes` counts the frozen base in
+    the compute dtype beside them."""
     ranks = step.world if step.sharded else 1
     itemsize = 4 if step.sharded else step.dtype.itemsize
-    fp32 = param_bytes // itemsize * 4                                       # this rank's part, in fp32
+    fp32 = param_bytes // itemsize * 4 if trainable is None else trainable   # this rank's trained part, in fp32
+    grads = param_bytes if trainable is None else fp32 // 4 * itemsize
     moments = _MOMENTS[step.optimizer] * fp32
     if step.optimizer_offload:
-        return ModelState(param_bytes, param_bytes, 0, ranks, 2 * fp32 + moments)
-    return ModelState(param_bytes, param_bytes, moments, ranks)
+        return ModelState(param_bytes, grads, 0, ranks, 2 * fp32 + moments)
+    return ModelState(param_bytes, grads, moments, ranks)
 
 
 def _state_line(st: ModelState, tracer, optimizer: str, dtype: str, dp: int, sp: int) -> str:
+    if tracer.lora is not None:
+        from autosp.run.lora import state_line
+        return state_line(st, dtype, dp, sp)
     line = _device_state_line(st, tracer, optimizer, dtype, dp, sp)
     if st.host and not tracer.sharded:
         line += f"; the device's parameters are the {dtype} compute copy"
@@ -227,7 +233,7 @@ def _cost_model(name: str) -> str:
 def _tracer(step: Step, spec) -> Tracer:
     return Tracer(spec, planning_mesh(step.sp, step.dp), step.dtype, step.rank_batch, step.sp,
                   shard_params=step.sharded, ring=step.ring, reduce_dtype=step.grad_dtype, packing=step.packing,
-                  objective=step.objective, beta=step.beta)
+                  objective=step.objective, beta=step.beta, lora=step.lora)
 
 
 def _state_fails(step: Step, st: ModelState, share: int) -> str | None:
@@ -275,7 +281,7 @@ def longest(step: Step, *, parallel: bool = True, granularity: int | None = None
     with fake_world(world), _as_ranks_run(step):
         tracer = _tracer(step, spec)
         n = tracer.n_params
-        st = model_state(step, tracer.param_bytes)
+        st = model_state(step, tracer.param_bytes, tracer.trainable_bytes)
         host_rank = step.activation_host_bytes(st.host) if offload else None     # what the activations may take
         out = [f"autosp plan: {describe(spec)}\n  {n / 1e9:.3f}B parameters in {dtype}; mesh dp {dp} x sp {sp}"
                + (f" (ring {step.ring})" if step.ring else "") + f"; {fmt(mem)} per rank; cost model {_cost_model(device)}; "
@@ -660,7 +666,7 @@ def at_length(step: Step, *, with_longest: bool = True, parallel: bool = True, q
     spec = spec_of(step)
     with fake_world(step.world), _as_ranks_run(step):
         tracer = _tracer(step, spec)
-        st = model_state(step, tracer.param_bytes)
+        st = model_state(step, tracer.param_bytes, tracer.trainable_bytes)
         fit = Fit(step, st, step.token_bytes())
         refused = _state_fails(step, st, step.host_share)
         if refused:

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 
 from autosp.run import faults
 from autosp.run.optim import OffloadedAdamW
@@ -62,11 +63,19 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _options(model) -> StateDictOptions:
+    """What a checkpoint holds of the model: every parameter, or with LoRA's frozen base (run/lora.py) only the
+    parameters that train (the base is rebuilt from the model folder or the seed, as the run record says)."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
 def _state(model, opt, extra: dict) -> dict:
     if isinstance(opt, OffloadedAdamW):               # the weights are the fp32 masters (the device may hold bf16)
-        msd, osd = {**get_model_state_dict(model), **opt.named_masters(model)}, opt.named_state()
+        msd = {**get_model_state_dict(model, options=_options(model)), **opt.named_masters(model)}
+        osd = opt.named_state()
     else:
-        msd, osd = get_state_dict(model, opt)
+        msd, osd = get_state_dict(model, opt, options=_options(model))
     rank = dist.get_rank()
     return {"model": msd, "optim": osd, "train": extra, f"rng.rank{rank}": rng_state()}
 
@@ -122,7 +131,8 @@ def load(path: str, model, opt, extra: dict) -> dict:
     if isinstance(opt, OffloadedAdamW):               # the masters were loaded in place; the device follows them
         opt.load_named_state(state["optim"])
     else:
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_options(model))
     if key in state:
         set_rng_state(state[key])
     return state["train"]

@@ -102,6 +102,20 @@ def add_step_flags(p: argparse.ArgumentParser, verb: str) -> None:
     g.add_argument("--beta", type=positive(float), default=0.1, help="DPO's beta: how far the policy may move from "
                    "the reference (default 0.1)")
     g.add_argument("--dtype", dest="renamed_dtype", default=None, help=argparse.SUPPRESS)
+    if verb != "eval":                          # eval reads a LoRA run's adapters from its record (lora.py)
+        add_lora_flags(p)
+
+
+def add_lora_flags(p: argparse.ArgumentParser) -> None:
+    """LoRA through peft (run/lora.py): the flags of the adapters a step trains instead of the whole model."""
+    g = p.add_argument_group("LoRA (peft): train adapters, the base frozen")
+    g.add_argument("--lora-r", type=positive(), default=None, help="train LoRA adapters of this rank (peft), the "
+                   "base model frozen in the compute dtype: no gradient, no optimizer state (default: no LoRA)")
+    g.add_argument("--lora-alpha", type=positive(float), default=None, help="the adapters' scale is alpha / r "
+                   "(default 2 r, the common recipe; peft's own default is 8 whatever r)")
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (default 0)")
+    g.add_argument("--lora-targets", default=None, help="comma-separated names of the Linear modules to adapt "
+                   "(default: every Linear of the model but its output head: q,k,v,o,gate,up,down _proj in a Llama)")
 
 
 @dataclass(frozen=True)
@@ -132,6 +146,10 @@ class Step:
     grad_accum: int = 1                 # micro-steps per optimizer step
     objective: str = "sft"              # "dpo": --batch counts pairs, each step runs 2 sequences per pair
     beta: float = 0.1                   # DPO's beta
+    lora_r: int | None = None           # LoRA adapters of this rank (run/lora.py); None: every parameter trains
+    lora_alpha: float | None = None     # resolved: 2 r
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] | None = None     # None: the model's Linear projections (lora.targets)
 
     # ------------------------------------------------------------ derived
     @property
@@ -192,6 +210,14 @@ class Step:
     def host_bandwidth(self) -> float | None:
         """The host link the plan's cost model offloads over (None: the device's own, or none)."""
         return CPU_HOST_BANDWIDTH if self.offload and self.device == "cpu" else None
+
+    @property
+    def lora(self):
+        """The adapters this step trains (lora.Lora), or None: every parameter trains."""
+        if self.lora_r is None:
+            return None
+        from autosp.run.lora import Lora
+        return Lora(self.lora_r, self.lora_alpha, self.lora_dropout, self.lora_targets)
 
     def with_length(self, seq_len: int) -> Step:
         return replace(self, seq_len=seq_len)
@@ -269,6 +295,10 @@ class Step:
             out += ["--rope-scaling", self.rope_scaling]
         if self.objective != "sft":
             out += ["--objective", self.objective, "--beta", f"{self.beta:g}"]
+        if self.lora_r is not None:
+            out += ["--lora-r", str(self.lora_r), "--lora-alpha", f"{self.lora_alpha:g}", "--lora-dropout",
+                    f"{self.lora_dropout:g}"] + (["--lora-targets", ",".join(self.lora_targets)]
+                                                if self.lora_targets else [])
         return out
 
     def train_command(self) -> str:
@@ -365,9 +395,31 @@ def step_of(a, verb: str) -> Step:
                 memory_budget=parse_budget_flag(a.memory_budget), offload=a.offload, host_memory=a.host_memory,
                 optimizer=a.optimizer, optimizer_offload=a.optimizer_offload, tile=a.tile,
                 shard_params=a.shard_params, packing=a.packing or "concat", rope_theta=a.rope_theta,
-                rope_scaling=a.rope_scaling, grad_accum=a.grad_accum, objective=a.objective, beta=a.beta)
+                rope_scaling=a.rope_scaling, grad_accum=a.grad_accum, objective=a.objective, beta=a.beta,
+                **lora_of(a))
     check(step, verb)
     return step
+
+
+def lora_of(a) -> dict:
+    """The Step's --lora-* fields from a parsed command line (AutospError with the fix for a bad one)."""
+    r = getattr(a, "lora_r", None)
+    alpha, dropout, names = (getattr(a, k, None) for k in ("lora_alpha", "lora_dropout", "lora_targets"))
+    if r is None:
+        given = [f for f, v in (("--lora-alpha", alpha), ("--lora-dropout", dropout or None),
+                                ("--lora-targets", names)) if v is not None]
+        if given:
+            raise AutospError(f"{' '.join(given)} without --lora-r: the adapters have no rank, so nothing would use "
+                              "them. Fix: add --lora-r 16 (or leave them out to train every parameter).")
+        return {}
+    if not 0.0 <= (dropout or 0.0) < 1.0:
+        raise AutospError(f"--lora-dropout {dropout}: a probability in [0, 1). Fix: --lora-dropout 0.05 (or 0).")
+    targets = None if names is None else tuple(t.strip() for t in names.split(",") if t.strip())
+    if targets is not None and not targets:
+        raise AutospError(f"--lora-targets {names!r}: no module names. Fix: --lora-targets q_proj,v_proj (or leave it "
+                          "out: every Linear projection).")
+    return {"lora_r": r, "lora_alpha": float(alpha) if alpha is not None else 2.0 * r,
+            "lora_dropout": float(dropout or 0.0), "lora_targets": targets}
 
 
 def check(step: Step, verb: str) -> None:

@@ -12,11 +12,11 @@ the sharded sequence, which autosp resolves with one all-reduce, exact at every 
 pairs of -logsigmoid(beta ((pc - rc) - (pr - rr))), p the policy's log-probabilities, r the reference's; the
 margins beta ((pc - rc) - (pr - rr)) come back beside it (the reward margin and accuracy of metrics.jsonl).
 
-The reference is the frozen starting model. `reference_logps` is where a run gets them for a batch, as its source
-says: "precomputed" (full fine-tuning) reads a table made by one forward-only, sequence-parallel pass of the
-starting model over every pair, before its first step, kept in the run folder (reference.npy) so
-that --resume reuses it. With LoRA the reference is the same model with its adapters off: a source "adapters-off"
-runs `sequence_logps` with the adapters disabled inside the step instead (no table, no second copy of the model).
+The reference is the frozen starting model. `reference_logps` is where a run gets them for a batch: a table made by
+one forward-only, sequence-parallel pass of the starting model over every pair, before its first step, kept in the
+run folder (reference.npy) so that --resume reuses it. With LoRA the starting model is the base with its adapters
+off, exactly: peft starts every adapter's B at zero, so the pass over the starting LoRA model adds zeros to the
+base's outputs (no second copy of the model, nothing disabled inside the step).
 """
 from __future__ import annotations
 
@@ -66,12 +66,9 @@ def token_bytes(pairs: int, seq_len: int) -> int:
 # ---------------------------------------------------------------- the reference
 
 def reference_source(a) -> str:
-    """Where this run's reference log-probabilities come from: "precomputed" for full fine-tuning. (A LoRA run's is
-    "adapters-off": the same model with its adapters disabled, run inside the step; see the module docstring.)"""
-    if getattr(a, "lora_r", None):
-        raise AutospError("--objective dpo with LoRA: the reference with the adapters off is not joined to the DPO "
-                          "step yet. Fix: full fine-tuning (leave out --lora-r) for DPO.")
-    return "precomputed"
+    """Where this run's reference log-probabilities come from: the pass over the starting model, which with LoRA is
+    the base with its adapters off (their B starts at zero: the module docstring)."""
+    return "precomputed" if not getattr(a, "lora_r", None) else "precomputed (LoRA: the base, adapters at zero)"
 
 
 def reference_logps(table: np.ndarray, pairs: list[int], dev) -> torch.Tensor:

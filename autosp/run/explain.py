@@ -95,7 +95,7 @@ def explain_model(step, *, full: bool = False, png: str | None = None) -> str:
     dtype = step.dtype
     with fake_world(step.world):
         tracer = _tracer(step, spec)
-        st = model_state(step, tracer.param_bytes)
+        st = model_state(step, tracer.param_bytes, tracer.trainable_bytes)
         budget = step.step_budget(st.resident + step.token_bytes())
         budget = 0.5 if budget is None else budget
         if full:

@@ -51,6 +51,10 @@ def load_run(run: str, step: int | None = None, rope: tuple = (None, None)):
     if step not in found:
         raise AutospError(f"{run}: no checkpoint step-{step} (it has {', '.join(f'step-{s}' for s in sorted(found))})."
                           f" Fix: --step {max(found)}.")
+    from autosp.run.lora import rebuild, run_lora
+    lora = run_lora(run)
+    if lora is not None:                        # the adapters, on the base rebuilt as the run built it: merged
+        return rebuild(run, cfg, lora, found[step]).merge_and_unload(), found[step]
     from autosp.run.models import with_attention
     model = with_attention(AutoModelForCausalLM.from_config, cfg, dtype=torch.float32)
     state = {"model": model.state_dict()}
@@ -87,16 +91,29 @@ def check_rope(run: str, out: str) -> dict | None:
     return want
 
 
-def export(run: str, out: str, *, step: int | None = None, shard_size: str = "2GB") -> str:
+def export(run: str, out: str, *, step: int | None = None, shard_size: str = "2GB", merge: bool = False) -> str:
     """Write the run's checkpoint (`step`, default the newest) to `out` as a Hugging Face folder; returns the
-    checkpoint it read."""
+    checkpoint it read. A LoRA run (run/lora.py): its adapter folder (peft.PeftModel.from_pretrained(base, out)
+    loads it), or with `merge` the base with the adapters merged, a whole Hugging Face folder."""
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise AutospError(f"--out {out} exists and is not an empty folder. Fix: another --out, or remove it.")
+    from autosp.run.lora import export_adapters, run_lora
+    if run_lora(run) is None and merge:
+        raise AutospError(f"--merge: {run} trained every parameter, no LoRA adapters, so there is nothing to merge. "
+                          "Fix: leave out --merge (the export is the whole model already).")
+    if run_lora(run) is not None and not merge:
+        path = export_adapters(run, out, step)
+        _copy_tokenizer(run, out)
+        return path
     model, path = load_run(run, step)
     model.save_pretrained(out, max_shard_size=shard_size, safe_serialization=True)
     check_rope(run, out)
+    _copy_tokenizer(run, out)
+    return path
+
+
+def _copy_tokenizer(run: str, out: str) -> None:
     tokenizer = os.path.join(run, "tokenizer")
     if os.path.isdir(tokenizer):
         for name in os.listdir(tokenizer):
             shutil.copy(os.path.join(tokenizer, name), os.path.join(out, name))
-    return path

@@ -73,7 +73,8 @@ def master_bytes(model, ranks: int, sharded: bool, dtype) -> int:
     total = 0
     for p in model.parameters():
         rows = p.shape[0] if p.ndim else 1
-        total += min(-(-rows // ranks), rows) * (p.numel() // max(1, rows)) * 4
+        # a frozen parameter (LoRA's base, run/lora.py) has no master: it is kept in the compute dtype
+        total += min(-(-rows // ranks), rows) * (p.numel() // max(1, rows)) * (4 if p.requires_grad else dtype.itemsize)
     return total
 
 
@@ -95,40 +96,59 @@ class Tracer:
     `ring`: autosp.shard's (attention over sp = U x R)."""
 
     def __init__(self, spec, mesh, dtype, batch: int, sp: int, *, shard_params: bool = False, ring: int | None = None,
-                 reduce_dtype=torch.float32, packing: str = "concat", objective: str = "sft", beta: float = 0.1):
+                 reduce_dtype=torch.float32, packing: str = "concat", objective: str = "sft", beta: float = 0.1,
+                 lora=None):
         import autosp
         from autosp.api import mesh_info
         self.sp, self.ring, self.packing = sp, ring, packing
         self.objective, self.beta = objective, beta
         self.sharded = shard_params
         self.model = build_model(spec, device="meta", dtype=torch.float32 if shard_params else dtype)
-        params = {k: v.detach().requires_grad_(True) for k, v in self.model.named_parameters()}
+        self.lora = lora
+        if lora is not None:            # the adapters train; the base is the step's second argument (run/lora.py)
+            from autosp.run import lora as lora_
+            self.model = lora_.apply(self.model, lora)
+            lora_.freeze_dtype(self.model, dtype)
+        params = {k: v.detach().requires_grad_(v.requires_grad) for k, v in self.model.named_parameters()}
         self.mesh, self.batch = mesh, batch
         self.n_params = count_parameters(self.model)
         self.single_mesh = None
         self.ranks = mesh.size() if shard_params else 1
         self.param_bytes = master_bytes(self.model, self.ranks, shard_params, dtype)
+        self.trainable_bytes = None if lora is None else lora_.adapter_bytes(self.model, self.ranks, shard_params)
         self.compute_bytes = self.n_params * dtype.itemsize     # the gathered copy of the whole model
         if shard_params:
             params = autosp.shard_params(params, mesh, param_dtype=None if dtype == torch.float32 else dtype,
                                          reduce_dtype=reduce_dtype)
             self.single_mesh = mesh if mesh_info(mesh).sp_size == 1 else planning_mesh(1, self.ranks)
         self.params = params
+        # the step's leading arguments: the parameters, or LoRA's adapters and frozen base (parameters without
+        # requires_grad, as train passes them: traced as Role.FROZEN)
+        self.head = (params,) if lora is None else (
+            {k: v for k, v in params.items() if v.requires_grad},
+            {k: torch.nn.Parameter(v, requires_grad=False) for k, v in params.items() if not v.requires_grad})
 
-    def loss_fn(self, params, input_ids, labels, position_ids=None):
-        if self.objective == "dpo":                  # position_ids: the pairs' reference log-probabilities
+    def loss_fn(self, *args):
+        """The step's loss on step_args: (parameters, or LoRA's adapters and frozen base), then DPO's pairs and
+        their reference log-probabilities (run/dpo.py), or the ids, labels and position ids."""
+        if self.lora is not None:
+            adapters, base, *args = args
+            params = {**base, **adapters}
+        else:
+            params, *args = args
+        if self.objective == "dpo":
             from autosp.run.dpo import dpo_loss
-            return dpo_loss(self.model, self.beta)(params, input_ids, labels, position_ids)
-        return step_loss(self.model, params, input_ids, labels, position_ids)
+            return dpo_loss(self.model, self.beta)(params, *args)
+        return step_loss(self.model, params, *args)
 
     def step_args(self, length: int) -> tuple:
         """The step's arguments on meta tensors: DPO's 2 sequences per pair (ids, labels) and their reference
         log-probabilities (run/dpo.py); else the ids (as labels too) and, packed, position ids."""
         if self.objective == "dpo":
             ids = torch.zeros(2 * self.batch, length, dtype=torch.long, device="meta")
-            return (self.params, ids, ids, torch.zeros(2 * self.batch, device="meta"))
+            return self.head + (ids, ids, torch.zeros(2 * self.batch, device="meta"))
         ids = torch.zeros(self.batch, length, dtype=torch.long, device="meta")
-        return (self.params, ids, ids) + ((torch.zeros_like(ids),) if self.packing == "docs" else ())
+        return self.head + (ids, ids) + ((torch.zeros_like(ids),) if self.packing == "docs" else ())
 
     shared = None       # a _Shared of the probe's two processes, while they run
 

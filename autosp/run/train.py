@@ -121,7 +121,8 @@ def own_param_bytes(model, sharded: bool, dtype) -> int:
     split leaves the last ranks fewer rows); else every parameter in `dtype`."""
     if not sharded:
         return sum(p.numel() for p in model.parameters()) * dtype.itemsize
-    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in model.parameters())
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * (4 if p.requires_grad else p.element_size())
+               for p in model.parameters())     # LoRA's frozen base has no fp32 master (run/lora.py)
 
 
 def micro_batches(corpus, step, *, n: int, seed: int, part: tuple[int, int], dev) -> list[tuple]:
@@ -157,8 +158,9 @@ class _Logs:
     """Rank 0's outputs: metrics.jsonl, TensorBoard events (OUT/tb), the progress bar, the run's config.json and
     tokenizer (what `autosp export` and `autosp eval` read), opened once the first step has run."""
 
-    def __init__(self, a, spec, tok, start: int):
+    def __init__(self, a, spec, tok, start: int, record: dict | None = None):
         self.a, self.spec, self.tok, self.start = a, spec, tok, start
+        self.record = record or {}          # more for the run record (LoRA: how the base is rebuilt)
         self.writer = self.bar = self.tb = None
 
     def open(self) -> None:
@@ -170,7 +172,7 @@ class _Logs:
         if kept == "tokenizer":
             self.tok.load().save_pretrained(os.path.join(a.out, "tokenizer"))
         with open(os.path.join(a.out, RUN_RECORD), "w") as f:
-            json.dump({"model": a.step.model, "tokenizer": kept, "step": a.step.argv()}, f, indent=1)
+            json.dump({"model": a.step.model, "tokenizer": kept, "step": a.step.argv(), **self.record}, f, indent=1)
         mpath = os.path.join(a.out, "metrics.jsonl")
         metrics.truncate(mpath, self.start)
         self.writer = metrics.Writer(mpath)
@@ -226,9 +228,15 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
     tok, inputs = a.tok, a.inputs                # cli.check_train's: the launcher tokenized, this rank opened the cache
     corpus = inputs.corpus
     model = build_model(spec, seed=a.seed, device=str(dev))
+    lora = step.lora
+    if lora is not None:                         # peft's adapters train, the base is frozen in the compute dtype
+        from autosp.run import lora as lora_
+        model = lora_.apply(model, lora)
+        lora_.freeze_dtype(model, step.dtype)
     model.train()
     sharded = step.sharded
-    state_model = model_state(step, master_bytes(model, world, sharded, step.dtype))
+    state_model = model_state(step, master_bytes(model, world, sharded, step.dtype),
+                              None if lora is None else lora_.adapter_bytes(model, world, sharded))
     if sharded:
         from autosp.params import shard_params
         shard_params(model, mesh, param_dtype=None if step.precision == "fp32" else step.dtype,
@@ -264,7 +272,7 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
              "to train further.")
         return
 
-    params = dict(model.named_parameters())
+    params, frozen = (dict(model.named_parameters()), None) if lora is None else lora_.split(model)
     # the mean over the labelled tokens of the whole global batch, whatever each dp rank holds (token_mean.py)
     loss_fn = token_mean_loss(model)
 
@@ -272,20 +280,29 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
     if dpo:
         from autosp.run import dpo as D
         loss_fn = D.dpo_loss(model, step.beta)
+    if lora is not None:                         # (adapters, base, ...): only the adapters are differentiated
+        whole = loss_fn
+
+        def loss_fn(adapters, base, *rest):
+            return whole({**base, **adapters}, *rest)
 
     # the step as `autosp plan --seq-len` planned it: the same budget, host capacity, tiling and ring (the fullest
     # rank's model state); `own`: this rank's, what its prediction counts
     fit = Fit(step, state_model, step.token_bytes())
-    own = Fit(step, model_state(step, own_param_bytes(model, sharded, step.dtype)), step.token_bytes())
+    own = Fit(step, model_state(step, own_param_bytes(model, sharded, step.dtype),
+                                None if lora is None else lora_.own_adapter_bytes(model)), step.token_bytes())
     fit.budget = step.step_budget(fit.resident)
     fit.host_cap = step.activation_host_bytes(state_model.host)
     step_fn = value_and_grad(loss_fn, mesh, memory_budget=1.0 if fit.budget is None else fit.budget,
                              host_bandwidth=step.host_bandwidth, host_memory=fit.host_cap, ring=step.ring,
                              tiles=None if step.tile else {}, compile=a.compile, has_aux=dpo)
+    if frozen is not None:                       # called, planned and evaluated with the adapters, as full training
+        step_fn = lora_.Bound(step_fn, frozen)
     part = (dp_rank, dp)
     if dpo:
-        table, ref_key, ref_new, ref_line = D.prepare_reference(a, step, inputs.pairs, model, params, mesh,
-                                                                start=start, part=part, dev=dev)
+        table, ref_key, ref_new, ref_line = D.prepare_reference(
+            a, step, inputs.pairs, model, params if frozen is None else {**frozen, **params}, mesh, start=start,
+            part=part, dev=dev)
         first = D.micro_batches(inputs.pairs, table, step, n=start, seed=a.seed, part=part, dev=dev)[0]
     else:
         first = with_divisor(micro_batches(corpus, step, n=start, seed=a.seed, part=part, dev=dev), sp, dp)[0]
@@ -311,9 +328,11 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
          + f"{_memory_lines(own, plan, step)}\n"
          f"  measured: {meter.kind}" + ("" if dev.type == "cuda" else f", steps 1-{MEASURED_STEPS}") + "\n"
          f"  {_state_line(model, world, dev, sharded, step.optimizer_offload, 2 if step.optimizer == 'adamw' else 0)}"
+         + ("" if lora is None else "\n" + lora_.banner(lora, model, frozen, world, sharded, sp))
          + (f"\n  resumed from {resumed} (step {start})" if resumed else ""))
 
-    logs = _Logs(a, spec, tok, start) if rank == 0 else None
+    logs = (_Logs(a, spec, tok, start, None if lora is None else lora_.record(lora, model, spec, a.seed, dev.type))
+            if rank == 0 else None)
     first_loss = last_loss = None
     run_losses: list[float] = []
     worst = None                                 # (measured - predicted) / predicted, each rank against its own
@@ -415,7 +434,8 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
                 import shutil
                 shutil.rmtree(folder)
             export(a.out, folder, step=a.steps)
-            tb += f"  exported   {folder} (AutoModelForCausalLM.from_pretrained loads it)\n"
+            tb += (f"  exported   {folder} (AutoModelForCausalLM.from_pretrained loads it)\n" if lora is None else
+                   f"  exported   {folder}: the adapters (peft.PeftModel.from_pretrained(base, folder) loads them)\n")
         print(f"trained steps {start + 1}-{a.steps} in {wall:.0f} s: loss {first_loss:.4f} -> {last_loss:.4f}{mean}; "
               f"a uniform guess over the {spec.vocab} tokens scores ln {spec.vocab} = {math.log(spec.vocab):.3f}\n"
               f"{held}"
