@@ -269,3 +269,25 @@ def test_train_dpo_at_sp2_then_eval_reports_preference_accuracy(assets, tmp_path
     assert result["kind"] == "preference" and result["pairs"] == 16 and 0 <= result["accuracy"] <= 1
     from autosp.run.preference import lines
     assert result["against"].startswith("the reference") and "preference accuracy 1.0000" in lines(result)[1]
+
+
+def test_train_dpo_with_lora_measures_against_the_base_then_eval_reads_the_adapters(assets, tmp_path):
+    """DPO with LoRA: the reference pass over the starting model is the base's (peft starts every B at zero), so
+    step 1's loss is ln 2 and its margins 0 exactly, with no second copy of the model; `autosp eval` of the LoRA run
+    (the base with its trained adapters) reports its preference accuracy."""
+    from autosp.cli import check_eval, parser
+    from tests.test_cli import launched
+    out = tmp_path / "run"
+    common = ["--tokenizer", str(assets / "tok"), "--data", str(assets / "pairs.jsonl"), "--sp", "2", "--seq-len",
+              "30", "--batch", "2", "--cache-dir", str(tmp_path / "cache")]
+    code, stdout, stderr, _ = launched(["train", "--model", str(assets / "model"), "--objective", "dpo", "--lora-r",
+                                        "4", "--steps", "2", "--lr", "5e-2", "--out", str(out), *common])
+    assert code == 0, stderr
+    assert "reference: the frozen starting model, precomputed" in stdout, stdout
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert abs(rows[0]["loss"] - np.log(2)) < 1e-6 and rows[0]["reward_margin"] == 0.0, rows[0]
+    assert rows[1]["reward_margin"] != 0.0, rows        # the adapters moved the policy off its reference
+    a = parser().parse_args(["eval", "--model", str(out), "--reference", str(assets / "model"), *common])
+    check_eval(a)
+    result = run_ranks(_eval_job, 2, a)[0]
+    assert result["kind"] == "preference" and result["pairs"] == 16 and result["against"].startswith("the reference")
