@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from dataclasses import replace
 from typing import Iterator
 
@@ -297,50 +296,39 @@ def tokenize(path: str, tokenizer: text.Tokenizer, *, messages_field: str = "mes
     root = cache_dir or text.default_cache_dir()
     key = cache_key(path, tokenizer, messages_field, template_file)
     dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
-    os.makedirs(root, exist_ok=True)
-    tmp = os.path.join(root, f"{key}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
     bar = text._bar() if progress else None
     starts, count, docs, answer_tokens = [], 0, 0, 0
     try:
-        workers = workers or min(8, os.cpu_count() or 1)
-        with open(os.path.join(tmp, "tokens.bin"), "wb") as out, open(os.path.join(tmp, "answers.bin"), "wb") as ans:
-            for rows, done in _rendered(_batches(conversations(path, messages_field)), tokenizer, template, workers):
-                for (where, _), (ids, mask) in zip(rows, done):
-                    if not ids or ids[-1] != eos:         # documents end with EOS, as text.py's do
-                        ids, mask = ids + [eos], mask + [0]
-                    arr = np.asarray(ids, dtype=np.int64)
-                    if int(arr.max()) >= vocab:
-                        raise AutospError(f"--tokenizer {tokenizer.path}: produced id {int(arr.max())} on {where}, "
-                                          f"beyond its {vocab} ids. Fix: a tokenizer whose len() covers every id.")
-                    starts.append(count)
-                    out.write(arr.astype(dtype).tobytes())
-                    ans.write(np.asarray(mask, dtype=np.uint8).tobytes())
-                    count += arr.size
-                    answer_tokens += sum(mask)
-                    docs += 1
-                if bar is not None:
-                    bar.update(len(rows))
-        if docs == 0:
-            raise AutospError(f"--data {path}: no conversations. Fix: {_SHAPE}.")
-        np.save(os.path.join(tmp, "starts.npy"), np.asarray(starts, dtype=np.int64))
-        meta = {"tokens": count, "documents": docs, "dtype": np.dtype(dtype).name, "eos": eos, "vocab": vocab,
-                "tokenizer": tokenizer.path, "text_field": None, "sources": text.sources(path),
-                "format": text.CACHE_FORMAT, "libraries": text.library_versions(),
-                "chat": {"messages_field": messages_field, "template_file": template_file, "format": CHAT_FORMAT,
-                         "answer_tokens": answer_tokens}}
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-        folder = os.path.join(root, key)
-        try:
-            os.rename(tmp, folder)
-        except OSError:                 # another process of this node finished first: its cache is the same
-            shutil.rmtree(tmp, ignore_errors=True)
-        return text.TokenCache(folder, meta), False
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with text.staged(root, key) as tmp:
+            workers = workers or min(8, os.cpu_count() or 1)
+            tokens, answers_file = os.path.join(tmp, "tokens.bin"), os.path.join(tmp, "answers.bin")
+            rendered = _rendered(_batches(conversations(path, messages_field)), tokenizer, template, workers)
+            with open(tokens, "wb") as out, open(answers_file, "wb") as ans:
+                for rows, done in rendered:
+                    for (where, _), (ids, mask) in zip(rows, done):
+                        if not ids or ids[-1] != eos:         # documents end with EOS, as text.py's do
+                            ids, mask = ids + [eos], mask + [0]
+                        arr = np.asarray(ids, dtype=np.int64)
+                        if int(arr.max()) >= vocab:
+                            raise AutospError(f"--tokenizer {tokenizer.path}: produced id {int(arr.max())} on {where}, "
+                                              f"beyond its {vocab} ids. Fix: a tokenizer whose len() covers every id.")
+                        starts.append(count)
+                        out.write(arr.astype(dtype).tobytes())
+                        ans.write(np.asarray(mask, dtype=np.uint8).tobytes())
+                        count += arr.size
+                        answer_tokens += sum(mask)
+                        docs += 1
+                    if bar is not None:
+                        bar.update(len(rows))
+            if docs == 0:
+                raise AutospError(f"--data {path}: no conversations. Fix: {_SHAPE}.")
+            np.save(os.path.join(tmp, "starts.npy"), np.asarray(starts, dtype=np.int64))
+            meta = {"tokens": count, "documents": docs, "dtype": np.dtype(dtype).name, "eos": eos, "vocab": vocab,
+                    "tokenizer": tokenizer.path, "text_field": None, "sources": text.sources(path),
+                    "format": text.CACHE_FORMAT, "libraries": text.library_versions(),
+                    "chat": {"messages_field": messages_field, "template_file": template_file, "format": CHAT_FORMAT,
+                             "answer_tokens": answer_tokens}}
+            return text.TokenCache(text.publish(tmp, root, key, meta), meta), False
     finally:
         if bar is not None:
             bar.close()

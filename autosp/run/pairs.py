@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -252,27 +251,13 @@ def tokenize_pairs(path: str, tokenizer: text.Tokenizer, *, seq_len: int,
         raise AutospError(f"--data {path}: no preference pairs. Fix: rows with prompt, chosen and rejected.")
     root = cache_dir or text.default_cache_dir()
     key = cache_key(path, tokenizer, seq_len)
-    os.makedirs(root, exist_ok=True)
-    tmp = os.path.join(root, f"{key}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
+    with text.staged(root, key) as tmp:
         dtype = np.int32
         np.save(os.path.join(tmp, "ids.npy"), np.stack(ids).astype(dtype))
         np.save(os.path.join(tmp, "labels.npy"), np.stack(labels).astype(dtype))
         meta = {"pairs": len(ids), "cut": cut, "seq_len": seq_len, "kind": " and ".join(sorted(kinds)),
                 "tokenizer": tokenizer.path, "vocab": len(tok), "sources": text.sources(path), "format": PAIRS_FORMAT}
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-        folder = os.path.join(root, key)
-        try:
-            os.rename(tmp, folder)
-        except OSError:                 # another process finished first: its cache is the same
-            shutil.rmtree(tmp, ignore_errors=True)
-        return PairCache(folder, meta), False
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        return PairCache(text.publish(tmp, root, key, meta), meta), False
 
 
 def _up(n: int) -> int:

@@ -18,6 +18,7 @@ never replaced in silence. The byte-level presets keep bytes: each document's UT
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import json
@@ -309,6 +310,34 @@ def _batches(docs: Iterator[str]) -> Iterator[list[str]]:
         yield batch
 
 
+@contextlib.contextmanager
+def staged(root: str, key: str):
+    """A fresh temporary folder beside `root/key` for a cache being written; on any error (a bad row named by its
+    caller) it is removed, so nothing half-written is ever found. `publish` renames it into place."""
+    os.makedirs(root, exist_ok=True)
+    tmp = os.path.join(root, f"{key}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def publish(tmp: str, root: str, key: str, meta: dict) -> str:
+    """`staged`'s folder with its meta.json, renamed to root/key (its path); another process of the node that
+    finished first made the same cache, and this one is dropped."""
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    folder = os.path.join(root, key)
+    try:
+        os.rename(tmp, folder)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
 def tokenize(path: str, tokenizer: Tokenizer, *, text_field: str = "text", cache_dir: str | None = None,
              workers: int | None = None, progress: bool = True) -> tuple[TokenCache, bool]:
     """(the cache of `--data PATH` tokenized by `tokenizer`, whether it was there already). Tokenizes with
@@ -320,46 +349,33 @@ def tokenize(path: str, tokenizer: Tokenizer, *, text_field: str = "text", cache
     key = cache_key(path, tokenizer, text_field)
     vocab, eos = tokenizer.vocab_and_eos()
     dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
-    os.makedirs(root, exist_ok=True)
-    tmp = os.path.join(root, f"{key}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
     bar = _bar() if progress else None
     starts, count, docs_seen = [], 0, 0
     try:
-        workers = workers or min(8, os.cpu_count() or 1)
-        with open(os.path.join(tmp, "tokens.bin"), "wb") as out:
-            for texts, ids in _tokenized(_batches(documents(path, text_field)), tokenizer, workers):
-                for text, doc in zip(texts, ids):
-                    starts.append(count)
-                    arr = np.asarray(doc + [eos], dtype=np.int64)
-                    if arr.size and int(arr.max()) >= vocab:
-                        raise AutospError(f"--tokenizer {tokenizer.path}: produced id {int(arr.max())}, beyond its "
-                                          f"{vocab} ids. Fix: a tokenizer whose len() covers every id it makes.")
-                    out.write(arr.astype(dtype).tobytes())
-                    count += arr.size
-                    docs_seen += 1
-                if bar is not None:
-                    bar.update(len(texts))
-                    bar.set_postfix_str(f"{count:,} tokens", refresh=False)
-        if docs_seen == 0 or count == docs_seen:
-            raise AutospError(f"--data {path}: {'no documents' if docs_seen == 0 else 'every document is empty'}. "
-                              "Fix: a corpus with text in it (check --text-field).")
-        np.save(os.path.join(tmp, "starts.npy"), np.asarray(starts, dtype=np.int64))
-        meta = {"tokens": count, "documents": docs_seen, "dtype": np.dtype(dtype).name, "eos": eos, "vocab": vocab,
-                "tokenizer": tokenizer.path, "text_field": text_field, "sources": sources(path),
-                "format": CACHE_FORMAT, "libraries": None if tokenizer.path == "bytes" else library_versions()}
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-        folder = os.path.join(root, key)
-        try:
-            os.rename(tmp, folder)
-        except OSError:                 # another process of this node finished first: its cache is the same
-            shutil.rmtree(tmp, ignore_errors=True)
-        return TokenCache(folder, meta), False
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with staged(root, key) as tmp:
+            workers = workers or min(8, os.cpu_count() or 1)
+            with open(os.path.join(tmp, "tokens.bin"), "wb") as out:
+                for texts, ids in _tokenized(_batches(documents(path, text_field)), tokenizer, workers):
+                    for text, doc in zip(texts, ids):
+                        starts.append(count)
+                        arr = np.asarray(doc + [eos], dtype=np.int64)
+                        if arr.size and int(arr.max()) >= vocab:
+                            raise AutospError(f"--tokenizer {tokenizer.path}: produced id {int(arr.max())}, beyond its "
+                                              f"{vocab} ids. Fix: a tokenizer whose len() covers every id it makes.")
+                        out.write(arr.astype(dtype).tobytes())
+                        count += arr.size
+                        docs_seen += 1
+                    if bar is not None:
+                        bar.update(len(texts))
+                        bar.set_postfix_str(f"{count:,} tokens", refresh=False)
+            if docs_seen == 0 or count == docs_seen:
+                raise AutospError(f"--data {path}: {'no documents' if docs_seen == 0 else 'every document is empty'}. "
+                                  "Fix: a corpus with text in it (check --text-field).")
+            np.save(os.path.join(tmp, "starts.npy"), np.asarray(starts, dtype=np.int64))
+            meta = {"tokens": count, "documents": docs_seen, "dtype": np.dtype(dtype).name, "eos": eos, "vocab": vocab,
+                    "tokenizer": tokenizer.path, "text_field": text_field, "sources": sources(path),
+                    "format": CACHE_FORMAT, "libraries": None if tokenizer.path == "bytes" else library_versions()}
+            return TokenCache(publish(tmp, root, key, meta), meta), False
     finally:
         if bar is not None:
             bar.close()
