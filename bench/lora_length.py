@@ -23,18 +23,10 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run(argv: list[str], log: str) -> tuple[int, str, float]:
-    t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "autosp", *argv], capture_output=True, text=True, cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": ROOT})
-    with open(log, "w") as f:
-        f.write("$ autosp " + shlex.join(argv) + "\n" + p.stdout + "\n--- stderr ---\n" + p.stderr)
-    return p.returncode, p.stdout + p.stderr, time.perf_counter() - t0
+sys.path.insert(0, ROOT)
+from bench.plan_vs_train import run  # noqa: E402  (the same subprocess call and log)
 
 
 def planned(text: str) -> tuple[int, str, str]:
