@@ -217,6 +217,9 @@ def check_train(a) -> None:
         raise AutospError("--clip and --weight-decay must be >= 0. Fix: --clip 1.0 --weight-decay 0.1.")
     if not 0 < a.eval_fraction < 1:
         raise AutospError(f"--eval-fraction {a.eval_fraction}: a fraction of --data in (0, 1). Fix: --eval-fraction 0.02.")
+    if step.lora is not None:                    # before anything is tokenized or launched
+        from autosp.run.lora import check_targets
+        check_targets(step)
     a.tok = tokenizer_for(step.model, a.tokenizer)
     if step.objective == "dpo":                  # preference pairs (run/pairs.py, run/dpo.py)
         from autosp.run.dpo import prepare as prepare_pairs

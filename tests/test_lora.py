@@ -218,6 +218,11 @@ def test_lora_flags_refused_with_the_fix(tmp_path, capsys):
         argv = ["plan", "--model", "tiny", "--sp", "2", "--seq-len", "64", *argv]
         assert main(argv) == 2, argv
         assert hint in capsys.readouterr().err, argv
+    # train refuses bad targets in the launcher, before a rank starts or a run folder is made
+    assert main(["train", "--model", "tiny", "--sp", "2", "--seq-len", "64", "--steps", "1", "--lora-r", "4",
+                 "--lora-targets", "qkv", "--out", str(out)]) == 2
+    assert "qkv names no Linear module of LlamaForCausalLM" in capsys.readouterr().err
+    assert not out.exists()
     full = tmp_path / "full"
     (full / "step-1").mkdir(parents=True)
     (full / "step-1" / ".metadata").write_text("")

@@ -55,18 +55,31 @@ def targets(model) -> list[str]:
     return names
 
 
+def wanted(model, lora: Lora) -> list[str]:
+    """The Linear modules `lora` adapts in `model`; an AutospError naming the ones it has where a target is none."""
+    names = list(lora.targets) if lora.targets is not None else targets(model)
+    have = targets(model)
+    missing = [t for t in names if t not in have]
+    if missing or not names:
+        raise AutospError(f"--lora-targets {','.join(names) or '(none)'}: {', '.join(missing) or 'nothing'} names no "
+                          f"Linear module of {type(model).__name__}. Fix: --lora-targets from {','.join(have)} (or "
+                          "leave it out: all of them).")
+    return names
+
+
+def check_targets(step) -> None:
+    """`wanted` on the step's model built on the meta device: the launcher refuses bad --lora-targets before any
+    rank starts."""
+    from autosp.run.models import build_model, spec_of
+    wanted(build_model(spec_of(step), device="meta"), step.lora)
+
+
 def wrap(model, lora: Lora):
     """peft.get_peft_model with peft's LoRA adapters on `lora.targets` (the PeftModel); its base parameters have
     requires_grad off."""
     from peft import LoraConfig, get_peft_model
-    wanted = list(lora.targets) if lora.targets is not None else targets(model)
-    have = targets(model)
-    missing = [t for t in wanted if t not in have]
-    if missing or not wanted:
-        raise AutospError(f"--lora-targets {','.join(wanted) or '(none)'}: {', '.join(missing) or 'nothing'} names no "
-                          f"Linear module of {type(model).__name__}. Fix: --lora-targets from {','.join(have)} (or "
-                          "leave it out: all of them).")
-    cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=wanted,
+    wanted_ = wanted(model, lora)
+    cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=wanted_,
                      bias="none", task_type="CAUSAL_LM")
     import warnings
     with warnings.catch_warnings():             # peft 0.21 asks transformers 5 a deprecated question once per model
