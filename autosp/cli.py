@@ -228,7 +228,9 @@ def check_train(a) -> None:
         a.inputs = inputs = prepare(a, a.tok, peek_vocab(step.model), step.seq_len)
     if inputs.note and not os.environ.get("AUTOSP_LAUNCHED"):
         print(f"autosp train: {inputs.note}", flush=True)
-    a.step = step = replace(step, packing=inputs.packing)
+    # chat data's labels are the answers only: a tensor of their own beside the ids
+    a.step = step = replace(step, packing=inputs.packing,
+                            labels_apart=getattr(inputs.corpus, "answers", None) is not None)
     _warn_positions(step)
     if a.out is None:
         a.out = os.path.join("runs", os.path.basename(os.path.normpath(step.model)) or "model")

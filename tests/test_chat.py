@@ -360,3 +360,19 @@ def test_train_on_chat_jsonl_at_sp2_then_eval_writes_into_the_run(tmp_path, monk
     result = json.loads((run / "eval.json").read_text())
     assert result["loss_on"] == "assistant" and result["loss"] > 0 and "the assistant's answers" in stdout, stdout
     assert (run / "eval.png").is_file() and os.listdir(cwd) == []          # nothing in the working folder
+
+
+def test_concat_packed_chat_counts_its_labels_apart_from_the_ids(tmp_path):
+    """Chat data's labels are the answers only, a tensor of their own beside the ids: the step's token bytes (what
+    train's prediction adds to the plan's peak) count both; text's labels are its ids."""
+    from autosp.cli import check_train, parser
+    model = _model(tmp_path / "model")
+    chats = _jsonl(tmp_path / "chats.jsonl", CONVERSATIONS * 6)
+    common = ["--model", model, "--cache-dir", str(tmp_path / "cache"), "--seq-len", "45", "--sp", "2", "--batch",
+              "2", "--packing", "concat", "--out", str(tmp_path / "run")]
+    a = parser().parse_args(["train", "--data", chats, *common])
+    check_train(a)
+    assert a.step.labels_apart and a.step.token_bytes() == 2 * 8 * 2 * 45
+    a = parser().parse_args(["train", "--data", chats, "--loss-on", "all", *common])
+    check_train(a)
+    assert not a.step.labels_apart and a.step.token_bytes() == 8 * 2 * 45

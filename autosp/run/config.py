@@ -141,6 +141,7 @@ class Step:
     tile: bool = True
     shard_params: bool = True
     packing: str = "concat"             # docs: position ids restart per document (the step takes them)
+    labels_apart: bool = False          # the labels are not the ids (chat data's answers only): one more tensor
     rope_theta: float | None = None
     rope_scaling: str | None = None     # "yarn:4"
     grad_accum: int = 1                 # micro-steps per optimizer step
@@ -225,9 +226,9 @@ class Step:
     # ------------------------------------------------------------ the step's budget
     @property
     def token_tensors(self) -> int:
-        """int64 [batch, L] tensors a step takes: ids (the labels, too, when they are the ids), or ids, labels and
-        position ids for packed documents."""
-        return 3 if self.packing == "docs" else 1
+        """int64 [batch, L] tensors a step takes: ids (the labels, too, when they are the ids), ids and labels (chat
+        data's answers labelled), or ids, labels and position ids for packed documents."""
+        return 3 if self.packing == "docs" else 2 if self.labels_apart else 1
 
     def token_bytes(self) -> int:
         """The token ids (and labels, positions) a rank holds through its step; DPO: the ids and labels of two
