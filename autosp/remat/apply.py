@@ -128,8 +128,9 @@ def apply_plan(joint: Joint, saved, recomputed, offloaded=(), prefetch_lead: int
     grads = g.outputs[joint.n_fwd_outputs:]
     b_inputs = (tuple(primals) + tuple(var[n] for n in saved) + tuple(host_vars[n] for n in offloaded)
                 + tuple(tangents))
-    b_inputs = tuple(v if v.role in (Role.PARAM, Role.FROZEN, Role.INPUT, Role.TANGENT) else Var(v.name, v.dtype, v.shape,
-                     v.device, role=Role.INPUT) for v in b_inputs)
+    kept = (Role.PARAM, Role.FROZEN, Role.INPUT, Role.TANGENT)
+    b_inputs = tuple(v if v.role in kept else Var(v.name, v.dtype, v.shape, v.device, role=Role.INPUT)
+                     for v in b_inputs)
     bwd_graph = g.replace(inputs=b_inputs, eqns=tuple(final), outputs=tuple(grads), in_spec=None, out_spec=None,
                           name="remat.backward")
     return Program(dce(forward), dce(bwd_graph), joint.n_fwd_outputs, saved, offloaded)

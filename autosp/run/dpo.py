@@ -145,6 +145,7 @@ def accumulated_step(step_fn, params: dict, micro: list[tuple]):
     """(loss, margins of this rank's pairs) of a step over its micro-batches, the gradients summed into each
     parameter's .grad: every micro-batch holds as many pairs, so each weighs 1 / micro-steps (the loss is a mean
     over pairs)."""
+    from autosp.run.token_mean import add_grads
     w = 1.0 / len(micro)
     loss, zs = None, []
     for ids, labels, ref in micro:
@@ -152,9 +153,7 @@ def accumulated_step(step_fn, params: dict, micro: list[tuple]):
         zs.append(z)
         part = part if len(micro) == 1 else part * w
         loss = part if loss is None else loss + part
-        for name, p in params.items():
-            g = grads[name] if len(micro) == 1 else grads[name] * w
-            p.grad = g if p.grad is None else p.grad.add_(g)
+        add_grads(params, grads, None if len(micro) == 1 else w)
         del grads
     return loss, torch.cat(zs)
 

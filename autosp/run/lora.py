@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass
 
 from autosp.errors import AutospError
+from autosp.units import fmt_bytes as fmt
 
 
 @dataclass(frozen=True)
@@ -155,14 +156,8 @@ class _BoundSharded:
 def adapter_bytes(model, ranks: int, sharded: bool) -> int:
     """The fp32 bytes of one rank's adapters, the fullest rank's where they are sharded (plan.master_bytes's split):
     what their master, gradient and each moment take."""
-    total = 0
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        rows = p.shape[0] if p.ndim else 1
-        per = min(-(-rows // ranks), rows) if sharded else rows
-        total += per * (p.numel() // max(1, rows)) * 4
-    return total
+    from autosp.run.plan import fullest_shard
+    return sum((fullest_shard(p, ranks) if sharded else p.numel()) * 4 for p in model.parameters() if p.requires_grad)
 
 
 def own_adapter_bytes(model) -> int:
@@ -179,11 +174,6 @@ def state_line(st, dtype: str, dp: int, sp: int) -> str:
     return (f"model state per rank (LoRA, {where}): the frozen base in {dtype} {fmt(base)} (no gradient, no optimizer "
             f"state), the adapters' fp32 master {fmt(st.params - base)}, their gradients {fmt(st.grads)} (counted in "
             f"the step's peak) and optimizer moments {fmt(st.moments)} = {fmt(st.total)}")
-
-
-def fmt(n) -> str:
-    from autosp.units import fmt_bytes
-    return fmt_bytes(n)
 
 
 def banner(lora: Lora, model, base: dict, world: int, sharded: bool, sp: int) -> str:

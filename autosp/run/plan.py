@@ -70,12 +70,15 @@ def master_bytes(model, ranks: int, sharded: bool, dtype) -> int:
     with it, so the budget a rank plans under is the one `autosp plan` answered for."""
     if not sharded:
         return sum(p.numel() for p in model.parameters()) * dtype.itemsize
-    total = 0
-    for p in model.parameters():
-        rows = p.shape[0] if p.ndim else 1
-        # a frozen parameter (LoRA's base, run/lora.py) has no master: it is kept in the compute dtype
-        total += min(-(-rows // ranks), rows) * (p.numel() // max(1, rows)) * (4 if p.requires_grad else dtype.itemsize)
-    return total
+    # a frozen parameter (LoRA's base, run/lora.py) has no master: it is kept in the compute dtype
+    return sum(fullest_shard(p, ranks) * (4 if p.requires_grad else dtype.itemsize) for p in model.parameters())
+
+
+def fullest_shard(p, ranks: int) -> int:
+    """Elements of the fullest rank's Shard(0) of `p` over `ranks` (FSDP2's split: ceil(rows / ranks) rows; a scalar
+    whole)."""
+    rows = p.shape[0] if p.ndim else 1
+    return min(-(-rows // ranks), rows) * (p.numel() // max(1, rows))
 
 
 def step_loss(model, params, input_ids, labels, position_ids=None, num_items=None):

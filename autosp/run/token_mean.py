@@ -62,11 +62,16 @@ def accumulated_step(step_fn, params: dict, micro: list[tuple]):
     for batch in micro:
         part, grads = step_fn(params, *batch)
         loss = part if loss is None else loss + part
-        for name, p in params.items():
-            g = grads[name]
-            p.grad = g if p.grad is None else p.grad.add_(g)
+        add_grads(params, grads)
         del grads
     return loss
+
+
+def add_grads(params: dict, grads: dict, weight: float | None = None) -> None:
+    """A micro-step's gradients (times `weight`) summed into each parameter's .grad (set on the first)."""
+    for name, p in params.items():
+        g = grads[name] if weight is None else grads[name] * weight
+        p.grad = g if p.grad is None else p.grad.add_(g)
 
 
 def evaluate(sharded, params: dict, batches: list[tuple], sp: int, dp: int) -> float | None:
