@@ -461,15 +461,26 @@ def _gather_rows(send: Tensor, group_name: str) -> Tensor:
     p = group_size(group_name)
     pg = _pg(group_name)
     out = send.new_empty((p * send.shape[0],) + tuple(send.shape[1:]))
-    if dist.get_backend(pg) == "gloo":                  # the list form: gloo holds only the handles given it
-        with _handed(pg, send, *out.chunk(p)) as (src, *parts):
-            dist.all_gather(parts, src, group=pg)
+    if dist.get_backend(pg) == "gloo":
+        with _handed(pg, *out.chunk(p)) as parts:
+            for w in gloo_gather_rows(parts, send, group_name):
+                w.wait()
         return out
     try:
         _ALL_GATHER(out, send, group=pg)
     except (RuntimeError, NotImplementedError):         # a backend without it: the list form
         dist.all_gather(list(out.chunk(p)), send, group=pg)
     return out
+
+
+def gloo_gather_rows(parts, send: Tensor, group_name: str) -> list:
+    """An all-gather on gloo as one in-place broadcast per rank into its rows (`parts`: the output's chunks, or
+    aliases of them), posted; the works to wait. gloo's own all-gather also holds a flat copy of the whole output
+    on its worker until it completes: bytes NCCL's does not have and no plan counts."""
+    pg = _pg(group_name)
+    parts[group_rank(group_name)].copy_(send)
+    ranks = dist.get_process_group_ranks(pg)
+    return [dist.broadcast(h, ranks[i], group=pg, async_op=True) for i, h in enumerate(parts)]
 
 
 def _scatter_sum_rows(full: Tensor, group_name: str) -> Tensor:

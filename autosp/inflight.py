@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from autosp.collectives import (_REDUCE_SCATTER, _a2a_shape, _pg, a2a_outputs, a2a_send, group_rank, group_size)
+from autosp.collectives import (_REDUCE_SCATTER, _a2a_shape, _pg, a2a_outputs, a2a_send, gloo_gather_rows, group_rank,
+                                group_size)
 
 _POSTED: dict[int, tuple] = {}       # storage of the landing buffer -> (work, handles, finish)
 
@@ -41,6 +42,17 @@ def _post(landing: Tensor, work, handed, originals, finish=None) -> None:
     gloo, emptied at the wait; the tensors themselves elsewhere)."""
     aliases = tuple(h for h, t in zip(handed, originals) if h is not t)
     _POSTED[_key(landing)] = (work, aliases, finish)
+
+
+class _Works:
+    """Several posted transfers waited as one."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
 
 
 def in_flight() -> int:
@@ -114,10 +126,11 @@ def all_gather_param_start(x: Tensor, group_name: str, dtype: torch.dtype) -> li
     if _key(send) == _key(x):
         send = send.clone()
     out = send.new_empty((p * send.shape[0],) + tuple(send.shape[1:]))
-    if dist.get_backend(pg) == "gloo":                   # the list form: gloo holds only the handles given it
-        mine = (send, *out.chunk(p))
-        src, *parts = _handles(pg, *mine)
-        _post(out, dist.all_gather(parts, src, group=pg, async_op=True), (src, *parts), mine)
+    if dist.get_backend(pg) == "gloo":
+        # every rank's shard broadcast into its rows in place (no flat copy of the whole, as NCCL's)
+        mine = out.chunk(p)
+        parts = _handles(pg, *mine)
+        _post(out, _Works(gloo_gather_rows(parts, send, group_name)), parts, mine)
     else:
         _post(out, dist.all_gather_into_tensor(out, send, group=pg, async_op=True), (), ())
     return [send, out]

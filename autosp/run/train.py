@@ -309,8 +309,10 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
     plan = step_fn.plan(params, *first)
     del first
     # this rank's plan (compiling the step above refused a budget it cannot meet) and its own model state; a step
-    # before the optimizer has state (a fresh run's first) peaks without the moments its update then makes
+    # before the optimizer has state (a fresh run's first) peaks without the moments, or in its update, which
+    # makes them while the gradients are live
     predicted = own.resident + plan.peak_bytes
+    first = max(predicted - own.state.moments, own.update)
     tokens_per_step = step.global_batch * step.seq_len * (2 if dpo else 1)
     n_params = count_parameters(model)
     accum = f" in {step.grad_accum} micro-steps" if step.grad_accum > 1 else ""
@@ -343,7 +345,7 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
     for n in range(start + 1, a.steps + 1):
         faults.maybe_fail("step", n)
         t0 = time.perf_counter()
-        mine = predicted - (0 if opt.state else own.state.moments)
+        mine = predicted if opt.state else first
         if dpo:
             micro = D.micro_batches(inputs.pairs, table, step, n=n - 1, seed=a.seed, part=part, dev=dev)
             loss, margins = D.accumulated_step(step_fn, params, micro)
