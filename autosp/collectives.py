@@ -158,8 +158,14 @@ all_reduce_sum.register_autograd(lambda ctx, g: (all_reduce_sum(g, ctx.group_nam
 def all_gather_seq(x: Tensor, length: int, dim: int, outer: int, chunk: int, inner: int, group_name: str) -> Tensor:
     """The global value from every rank's chunk, padding dropped: the exact fallback."""
     p = group_size(group_name)
-    parts = [torch.empty_like(x) for _ in range(p)]
-    dist.all_gather(parts, x.contiguous(), group=_pg(group_name))
+    pg = _pg(group_name)
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(p)]
+    if dist.get_backend(pg) == "gloo":
+        with _handed(pg, *parts) as handles:
+            for w in gloo_gather_rows(handles, x, group_name):
+                w.wait()
+    else:
+        dist.all_gather(parts, x.contiguous(), group=pg)
     split = list(x.shape[:dim]) + [outer, chunk, inner] + list(x.shape[dim + 1:])
     full = torch.cat([t.reshape(split) for t in parts], dim=dim + 1).narrow(dim + 1, 0, length)
     _release(*parts, keep=(x,))

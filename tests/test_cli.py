@@ -385,7 +385,7 @@ def test_a_short_step_at_the_least_budget_holds_its_prediction(tmp_path):
     while the gradients are live (+48 % over the step's own peak before it was predicted); gloo's all-gather held a
     flat copy of the whole parameter on its worker while it was in flight (+262 KB in the forward; the gather is
     now one in-place broadcast per rank: NCCL's holds no copy either). Every rank within 0.05 % of its own
-    prediction at both steps (measured +288 to +312 B at 256 tokens)."""
+    prediction at both steps (measured +288 to +312 B)."""
     out = tmp_path / "short"
     rc, stdout, stderr, _ = launched(["train", "--model", "tiny", "--sp", "2", "--seq-len", "128", "--batch", "1",
                                       "--steps", "2", "--memory-budget", "least", "--out", str(out), "--timeout", "60"])

@@ -80,6 +80,8 @@ class Plan:
     stored: str | None = None            # the plan cache's file it was read from (store.py); None: planned here
     attention_backward: str = "sdpa"     # the attention backward's kernel: SDPA's backend, or autosp's
                                          # (passes/attention_backward.py)
+    const_bytes: int = 0                 # the programs' constants (tensors the trace made: a lightning attention's
+                                         # decay table, a captured buffer), held by the step from its compile on
 
     @property
     def saved_bytes(self) -> int:
@@ -191,6 +193,17 @@ def simulate_step(program: Program, device: str = "cpu", saved: bool = False) ->
     b = L.simulate(program.backward, counted=set(kept) | set(tangents), base=out_bytes, host=host, device=device,
                    track=track)
     return StepMemory(f, b)
+
+
+def const_bytes(program: Program) -> int:
+    """The bytes of the programs' constants, each storage once: the compiled step holds them across steps, so a
+    step's peak (what it allocates) does not count them and the run's does."""
+    seen: dict[int, int] = {}
+    for g in (program.forward, program.backward):
+        for _, t in (g.consts if g is not None else ()):
+            s = t.untyped_storage()
+            seen[s._cdata] = max(seen.get(s._cdata, 0), s.nbytes())
+    return sum(seen.values())
 
 
 def _distinct_bytes(vs, exclude=()) -> int:
@@ -518,4 +531,4 @@ def _describe(p: IlpProblem, joint: Joint, x, program: Program, no_remat, target
     offloaded = [d for d in decisions if d.action == "offload"]
     return Plan(tuple(decisions), int(peak), int(no_remat), target, least, int(rflops), float(rsec),
                 sum(d.bytes for d in offloaded), device.name, float(sum(d.seconds for d in offloaded)), host,
-                method=method)
+                method=method, const_bytes=const_bytes(program))

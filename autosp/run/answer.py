@@ -563,7 +563,8 @@ class Fit:
     @property
     def peak(self) -> int | None:
         """The predicted per-rank peak of allocated device bytes over a training step, model state included."""
-        return None if self.plan is None else self.resident + max(self.plan.peak_bytes, self.reference)
+        return None if self.plan is None else (self.resident + getattr(self.plan, "const_bytes", 0)
+                                               + max(self.plan.peak_bytes, self.reference))
 
     @property
     def fits(self) -> bool:
@@ -592,7 +593,9 @@ class Fit:
             lines.append(f"-> {L:,} tokens {'fit in ' + fmt(mem) + ' per rank' if mem is not None else 'need'}: "
                          f"predicted peak {fmt(self.peak)} per rank of allocated device memory = model state "
                          f"{fmt(self.state.resident)} (parameters {fmt(self.state.params)}, optimizer "
-                         f"{fmt(self.state.moments)}) + token ids {fmt(self.tokens)} + the step's peak "
+                         f"{fmt(self.state.moments)}) + token ids {fmt(self.tokens)}"
+                         + (f" + the program's constants {fmt(p.const_bytes)}" if p.const_bytes else "")
+                         + " + the step's peak "
                          f"{fmt(p.peak_bytes)} (saved for the backward {fmt(self.saved)}, working set "
                          f"{fmt(p.peak_bytes - self.saved)})")
             host = self.state.host + p.offload_bytes
@@ -689,7 +692,7 @@ def at_length(step: Step, *, with_longest: bool = True, parallel: bool = True, q
         tiles = None if step.tile else {}
         if step.memory_budget is None and step.memory is not None:         # the budget is what --memory leaves
             least, program, _, _ = plan_step(local, "least", refine=False, tiles=tiles, plan_only=quick, **args)
-            fit.least = least.peak_bytes
+            fit.least = least.peak_bytes + least.const_bytes      # the constants are held through the step too
             fit.least_plan = (least, program)
             fit.verdict = max(fit.least, fit.reference) <= fit.budget
             if not fit.verdict:

@@ -83,8 +83,10 @@ def _memory_lines(fit, plan, step) -> str:
     if p.stored:
         within += " (from the plan cache: AUTOSP_PLAN_CACHE=0 plans again)"
     return (f"  memory plan{within}: budget {fmt(p.budget_bytes) if p.budget_bytes else 'none'} for the step ({how})\n"
-            f"  predicted peak per rank: {fmt(fit.resident + p.peak_bytes)} of allocated {step.device} memory = "
-            f"model state {fmt(fit.state.resident)} + token ids {fmt(fit.tokens)} + the step's {fmt(p.peak_bytes)}; "
+            f"  predicted peak per rank: {fmt(fit.resident + p.const_bytes + p.peak_bytes)} of allocated {step.device} "
+            f"memory = model state {fmt(fit.state.resident)} + token ids {fmt(fit.tokens)}"
+            + (f" + the program's constants {fmt(p.const_bytes)}" if p.const_bytes else "")
+            + f" + the step's {fmt(p.peak_bytes)}; "
             f"host: {fmt(fit.state.host + p.offload_bytes)} per rank"
             + (f" (activations {fmt(p.offload_bytes)} of this rank's {fmt(fit.host_cap)})" if step.offload else ""))
 
@@ -311,8 +313,8 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
     # this rank's plan (compiling the step above refused a budget it cannot meet) and its own model state; a step
     # before the optimizer has state (a fresh run's first) peaks without the moments, or in its update, which
     # makes them while the gradients are live
-    predicted = own.resident + plan.peak_bytes
-    first = max(predicted - own.state.moments, own.update)
+    predicted = own.resident + plan.const_bytes + plan.peak_bytes
+    first = max(predicted - own.state.moments, own.update + plan.const_bytes)
     tokens_per_step = step.global_batch * step.seq_len * (2 if dpo else 1)
     n_params = count_parameters(model)
     accum = f" in {step.grad_accum} micro-steps" if step.grad_accum > 1 else ""
