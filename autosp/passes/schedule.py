@@ -107,14 +107,26 @@ SPLIT = {
 }
 
 
+_SPLIT: dict[int, tuple] = {}     # id(eqn) -> (eqn, its split): the planner schedules many programs made of the
+                                  # same equations (each candidate plan of a search), and equations are immutable
+
+
 def split_collectives(graph: Graph) -> Graph:
     """Each blocking collective of SPLIT as start, wait and result, where it stood (nothing moves yet)."""
     if not any(e.op.name in SPLIT for e in graph.eqns):
         return graph
+    if len(_SPLIT) > 200_000:
+        _SPLIT.clear()
     eqns = []
     for e in graph.eqns:
         rule = SPLIT.get(e.op.name)
-        eqns.extend(rule(e, e.bind_schema()["group_name"]) if rule else (e,))
+        if rule is None:
+            eqns.append(e)
+            continue
+        hit = _SPLIT.get(id(e))
+        if hit is None or hit[0] is not e:
+            hit = _SPLIT[id(e)] = (e, tuple(rule(e, e.bind_schema()["group_name"])))
+        eqns.extend(hit[1])
     return graph.replace(eqns=tuple(eqns), name="split_collectives")
 
 
@@ -219,19 +231,23 @@ def place_collectives(graph: Graph) -> Graph:
     for e in eqns:
         for name in reads[id(e)]:
             n_readers[name] = n_readers.get(name, 0) + 1
-    # starts, first first: each right after the equation making the last of its inputs
-    k = 0
-    while k < len(eqns):
-        e = eqns[k]
+    # starts, first first: each right after the equation making the last of its inputs (a later start made ready by
+    # the same equation goes before an earlier one: each was inserted right after it in turn)
+    made_at: dict[str, int] = {}
+    after: dict[int, list] = {}
+    for i, e in enumerate(eqns):
         if e.op.name in ("all_to_all_start", "reduce_scatter_param_start"):
-            needs = reads[id(e)]
-            j = k - 1
-            while j >= 0 and needs.isdisjoint(o.name for o in eqns[j].outputs):
-                j -= 1
-            if j + 1 < k:
-                del eqns[k]
-                eqns.insert(j + 1, e)
-        k += 1
+            after.setdefault(max((made_at.get(n, -1) for n in reads[id(e)]), default=-1), []).append(e)
+        else:
+            for o in e.outputs:
+                made_at[o.name] = i
+    if after:
+        moved = [*reversed(after.get(-1, ()))]
+        for i, e in enumerate(eqns):
+            if e.op.name not in ("all_to_all_start", "reduce_scatter_param_start"):
+                moved.append(e)
+                moved.extend(reversed(after.get(i, ())))
+        eqns = moved
     # waits, latest first: each block (wait and its results) goes right before the first equation reading a result;
     # a reduce-scatter's (whose result only the program's end reads) before the next layer's first start
     finals = {o.name for o in graph.outputs if isinstance(o, Var)}
