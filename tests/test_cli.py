@@ -882,3 +882,34 @@ def test_planning_worlds_leave_the_excepthook_as_they_found_it():
         with fake_world(2):
             pass
     assert sys.excepthook is hook
+
+
+def test_plan_answers_a_program_that_grows_with_the_length_by_verdicts(monkeypatch):
+    """A recurrence's torch reference path runs a Python loop along the sequence (one pass per chunk): its program at
+    two lengths is not one program, so the affine probe cannot solve for the longest length. `autosp plan` then
+    asks train's own verdict at each length (a trace and a least-peak search each) from a dense model's guess and
+    answers the longest that fits, with its train command; it refused before (Qwen3.5's tiny config at sp 2 and 4
+    MiB: 1,024 tokens, 8 verdicts, 187 s, 80 s of it the probe that finds the loop). Here the probe's refusal and the
+    verdicts are stood in for (a verdict's excess affine in the length)."""
+    from types import SimpleNamespace
+
+    from autosp.run import answer
+    from autosp.run.config import Step
+    from autosp.run.plan import NotAffine
+
+    def probe(*_a, **_k):
+        raise NotAffine("autosp plan: the program has 10 equations at 4,096 tokens and 40 at 16,384: a loop. Fix: x")
+
+    def at_length(step, **_):
+        least = 1000 * step.seq_len
+        return SimpleNamespace(fits=least <= 1_000_000, verdict=least <= 1_000_000, least=least, budget=1_000_000,
+                               state=SimpleNamespace(resident=4096), tokens=64)
+
+    monkeypatch.setattr(answer, "probe", probe)
+    monkeypatch.setattr(answer, "at_length", at_length)
+    step = Step(model="tiny", sp=2, memory="64MiB")
+    report = answer.longest(step, parallel=False)
+    text = str(report)
+    assert report.ok and report.length == 1000 // 128 * 128, text
+    assert "a Python loop" not in text and "a loop" in text and "train's own verdict at each length" in text, text
+    assert "Fix: x" not in text and f"--seq-len {report.length} " in text, text

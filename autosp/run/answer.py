@@ -21,7 +21,7 @@ from autosp.errors import AutospError
 from autosp.run.config import PRECISIONS, RANKS_PER_NODE, Step
 from autosp.run.meshes import fake_world, planning_mesh
 from autosp.run.models import describe, spec_of
-from autosp.run.plan import (_MOMENTS, Affine, Row, Tracer, _guess, _held_back, _line, _rounded, _secs,
+from autosp.run.plan import (_MOMENTS, Affine, NotAffine, Row, Tracer, _guess, _held_back, _line, _rounded, _secs,
                              _tiled_names, fmt, probe, ring_allreduce_bytes, step_seconds)
 
 
@@ -278,7 +278,10 @@ def longest(step: Step, *, parallel: bool = True, granularity: int | None = None
     spec = spec_of(step)
     torch_dtype = step.dtype
     share = step.host_share
-    with fake_world(world), _as_ranks_run(step):
+    planning = contextlib.ExitStack()              # closed early where verdicts alone answer (_by_verdicts)
+    with planning:
+        planning.enter_context(fake_world(world))
+        planning.enter_context(_as_ranks_run(step))
         tracer = _tracer(step, spec)
         n = tracer.n_params
         st = model_state(step, tracer.param_bytes, tracer.trainable_bytes)
@@ -313,8 +316,12 @@ def longest(step: Step, *, parallel: bool = True, granularity: int | None = None
                 length = min(length, _line(a.host, l1, b.host, l2).longest(host_rank, granule))
             return length
 
-        q = probe(tracer, l1, l2, device, offload, parallel, host_rank, plan_length, step.tile,
-                  step.host_bandwidth)
+        try:
+            q = probe(tracer, l1, l2, device, offload, parallel, host_rank, plan_length, step.tile,
+                      step.host_bandwidth)
+        except NotAffine as exc:                        # a loop along the sequence: verdicts alone answer
+            planning.close()
+            return _by_verdicts(step, granule, l1, out, str(exc), parallel, t_start)
 
         def row(name, p1, p2, length, note=""):
             """The row of a program priced at both lengths, at `length` (none: 0)."""
@@ -329,7 +336,7 @@ def longest(step: Step, *, parallel: bool = True, granularity: int | None = None
         for key, name in (("nosp", "no SP"), ("sp", f"SP={sp}, no remat")):
             p1, p2 = q.profiles[(key, l1)], q.profiles[(key, l2)]
             if p1.shape != p2.shape or len(p1.values) != len(p2.values):
-                raise AutospError(f"autosp plan: {model}'s program differs between lengths {l1} and {l2}, so its "
+                raise NotAffine(f"autosp plan: {model}'s program differs between lengths {l1} and {l2}, so its "
                                   "memory cannot be solved for in closed form. Fix: plan with autosp.plan at the "
                                   "lengths you need (the Python API).")
             length = Affine.fit(l1, p1.values + tokens(l1), l2, p2.values + tokens(l2)).longest(avail, granule)
@@ -450,7 +457,32 @@ def longest(step: Step, *, parallel: bool = True, granularity: int | None = None
     return Report("\n".join(out), best is not None, best)
 
 
-def _checked(step: Step, granule: int, parallel: bool = True):
+def _by_verdicts(step: Step, granule: int, start: int, head: list[str], why: str, parallel: bool,
+                 t_start: float) -> Report:
+    """`autosp plan`'s answer for a step whose program grows with the length (a recurrence's torch reference path:
+    one pass per chunk), which two traces cannot solve for: the longest length train's own verdict fits, found by
+    asking it (_checked, from the dense guess `start`), each verdict a trace and a least-peak search at its length.
+    No table of configurations: each would be a search of its own."""
+    length, note, fit = _checked(step.with_length(start), granule, parallel, origin="a dense model's guess,")
+    lines = head + [why.replace("autosp plan: ", "").split(" Fix:")[0].rstrip(".") + ".",
+                    "so the answer is train's own verdict at each length asked (a trace and a least-peak search "
+                    "each), with no table of configurations."]
+    if note.startswith("checked: train's own plan fits no"):
+        lines.append(f"{note}. Fix: more --memory, more ranks (--sp), or --memory-budget / --offload.")
+        return Report("\n".join(lines), False)
+    best = step.with_length(length)
+    if fit is None or fit.least is None:
+        fit = at_length(best, with_longest=False, quick=True)
+    lines += [f"longest trainable sequence (tokens per sequence, a multiple of {granule}): {length:,} tokens fit in "
+              f"{fmt(step.memory_bytes)} per rank: the least peak train's planner reaches there is {fmt(fit.least)} "
+              f"of the {fmt(fit.budget)} --memory leaves the step (model state {fmt(fit.state.resident)}, token ids "
+              f"{fmt(fit.tokens)}). Planned in {time.perf_counter() - t_start:.0f} s.",
+              f"\n{note}\ntrain it (it plans the step again before its first one, within --memory):\n"
+              f"  {best.train_command()}"]
+    return Report("\n".join(lines), True, best)
+
+
+def _checked(step: Step, granule: int, parallel: bool = True, origin: str = "the ILP row's"):
     """The ILP row's length held to the plan `autosp train` makes (at_length's verdict): the longest multiple of
     `granule` near it that train's plan fits, one granule more refused. The row's plan is the least-peak plan found
     at the longer probe; train plans the least at its own length, trying every tiling, which may reach a little
@@ -519,8 +551,8 @@ def _checked(step: Step, granule: int, parallel: bool = True):
         x, aimed = aim(lo, hi)
         ask(x, x + granule) if aimed else ask(x)
     length = lo
-    how = ("the ILP row's length" if length == first else
-           f"{(length - first) // granule:+d} granule(s) from the ILP row's {first:,}")
+    how = (f"{origin} length" if length == first else
+           f"{(length - first) // granule:+d} granule(s) from {origin} {first:,}")
     return length, (f"checked against the plan autosp train makes (autosp plan --seq-len): {length:,} tokens fit "
                     f"({how}), {length + granule:,} do not ({len(excess)} verdicts)"), here.get(length)
 

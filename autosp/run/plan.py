@@ -488,15 +488,20 @@ def signature(graph) -> list:
         [(e.op.name, tuple(o.shape for o in e.outputs)) for e in graph.eqns]
 
 
+class NotAffine(AutospError):
+    """The step's program is not one program at two lengths (a Python loop along the sequence): its memory cannot
+    be solved for from two traces; `autosp plan` then asks train's verdict at each length instead."""
+
+
 def check_affine(a: list, l1: int, b: list, l2: int) -> None:
     """Raise unless `b` is the program `a` with at most one size of each value changed: sizes are affine
     in L (L, L / P, L + 1), so then every value's bytes are, and a program's bytes at every point."""
     def fail(why):
-        raise AutospError(f"autosp plan: {why}, so the step's memory is not affine in the length and cannot be "
+        raise NotAffine(f"autosp plan: {why}, so the step's memory is not affine in the length and cannot be "
                           f"solved for from two traces ({l1:,} and {l2:,} tokens). Fix: plan with autosp.plan at the "
                           "lengths you need (the Python API).")
     if [op for op, _ in a] != [op for op, _ in b]:
-        raise AutospError(
+        raise NotAffine(
             f"autosp plan: the program has {len(a) - 1:,} equations at {l1:,} tokens and {len(b) - 1:,} at {l2:,}: the "
             "model runs a Python loop along the sequence (a recurrence's torch reference path: one pass per chunk "
             "or per position), so its memory cannot be solved for from two traces. Fix: run the model with its "
