@@ -93,8 +93,13 @@ def positionwise(ctx: ShardCtx, e: Eqn, force: bool = False) -> None:
     outs = outs if isinstance(outs, tuple) else (outs,)
     for old, new in zip(e.outputs, outs):
         if new.layout is not None and new.shape != new.layout.local_shape(old.shape):
+            same = [d for d, n in enumerate(old.shape) if n == new.layout.length]
+            why = (f" Its dims {same} are all {new.layout.length} long, the sequence's length: which is the "
+                   f"sequence is ambiguous (another size of the model equals it). Fix: a sequence length unlike the "
+                   f"model's sizes (autosp train/plan: another --seq-len), or in_specs naming the sequence dim."
+                   if len(same) > 1 else " Fix: pass in_specs naming the sequence dim.")
             raise ShardError(f"{describe(ctx, e)}: local result {new.type_str()} does not match the layout "
-                             f"of the global {old.type_str()}. Fix: pass in_specs naming the sequence dim.")
+                             f"of the global {old.type_str()}.{why}")
         ctx.env[old.name] = new
 
 
