@@ -63,8 +63,12 @@ def record_failure(exc: BaseException) -> None:
                         "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time())),
                                       "autosp_time": time.time(), "autosp_peer_lost": lost,
                                       "autosp_reports": {str(r): list(v) for r, v in told.items()}}}}
-    with open(path, "w") as f:
+    # whole or not at all: the launcher's agent reads it as soon as it sees a rank fail, and a file it finds half
+    # written (empty) stopped the launcher itself with a JSONDecodeError instead of the run's exit code
+    part = f"{path}.{os.getpid()}.part"
+    with open(part, "w") as f:
         json.dump(data, f)
+    os.replace(part, path)
 
 
 def _extra(failure) -> dict:
