@@ -586,16 +586,9 @@ class Fit:
         return self.state.resident + self.tokens + (self.state.grads if self.step.grad_accum > 1 else 0)
 
     @property
-    def update(self) -> int:
-        """Bytes live while the optimizer steps: the parameters, their gradients and the moments (the token ids are
-        let go). A fresh run's first update makes the moments then, while the gradients are live: a short step's
-        peak is below it."""
-        return self.state.total
-
-    @property
     def peak(self) -> int | None:
         """The predicted per-rank peak of allocated device bytes over a training step, model state included."""
-        return None if self.plan is None else (self.resident + getattr(self.plan, "const_bytes", 0)
+        return None if self.plan is None else (self.resident + self.plan.const_bytes
                                                + max(self.plan.peak_bytes, self.reference))
 
     @property

@@ -312,9 +312,9 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
     del first
     # this rank's plan (compiling the step above refused a budget it cannot meet) and its own model state; a step
     # before the optimizer has state (a fresh run's first) peaks without the moments, or in its update, which
-    # makes them while the gradients are live
+    # makes them while the gradients are live (parameters, gradients and moments: a short step's peak is below it)
     predicted = own.resident + plan.const_bytes + plan.peak_bytes
-    first = max(predicted - own.state.moments, own.update + plan.const_bytes)
+    first = max(predicted - own.state.moments, own.state.total + plan.const_bytes)
     tokens_per_step = step.global_batch * step.seq_len * (2 if dpo else 1)
     n_params = count_parameters(model)
     accum = f" in {step.grad_accum} micro-steps" if step.grad_accum > 1 else ""
