@@ -562,7 +562,9 @@ def ring_groups(sp_ranks: tuple[tuple[int, ...], ...], u: int) -> tuple[str, str
     segment of the sequence), the ring groups the R ranks at the same place in them (ring rank r
     holds segment r). Created once, on every rank in the same order (new_group is collective)."""
     key = (sp_ranks, u)
-    if key not in _SUBGROUPS:
+    world = dist.distributed_c10d._get_default_group()
+    # a world torn down and made again (autosp plan's fake worlds, one per verdict) has none of the old groups
+    if key not in _SUBGROUPS or _SUBGROUPS[key][0] is not world:
         me, mine = dist.get_rank(), None
         for ranks in sp_ranks:
             r = len(ranks) // u
@@ -571,8 +573,8 @@ def ring_groups(sp_ranks: tuple[tuple[int, ...], ...], u: int) -> tuple[str, str
             if me in ranks:
                 at = ranks.index(me)
                 mine = (ulysses[at // u].group_name, rings[at % u].group_name)
-        _SUBGROUPS[key] = mine
-    return _SUBGROUPS[key]
+        _SUBGROUPS[key] = (world, mine)
+    return _SUBGROUPS[key][1]
 
 
 # ---------------------------------------------------------------- Python objects (plans, signatures)

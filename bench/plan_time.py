@@ -43,6 +43,16 @@ def main(argv=None) -> int:
         return run
 
     answer.probe = timed("probe (both lengths, side by side)", plan.probe)
+    both = plan._both
+
+    def pair(first, second, parallel=True):             # a round of verdicts: each one's excess over the budget
+        t = time.perf_counter()
+        out = both(first, second, parallel)
+        if all(isinstance(x, float) for x in out):
+            log.append((time.perf_counter() - t0, "round of two verdicts", time.perf_counter() - t,
+                        "excess " + ", ".join(f"{x / 2**20:+,.1f} MiB" for x in out), ""))
+        return out
+    plan._both = pair
     answer.at_length = timed("verdict", answer.at_length)
     with answer.full_collections_rarely():            # as `autosp plan` plans
         report = answer.longest(step)

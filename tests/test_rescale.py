@@ -122,3 +122,60 @@ def test_a_count_or_scale_new_to_the_forwards_is_refused():
     for bad in (768 * 64, 768.0, 1 / (768 * 64)):
         with pytest.raises(RescaleError, match="cannot be told"):
             sizes.move(bad)
+
+
+@pytest.mark.parametrize("case", ["sp2", "no-sp", "ring", "packed"])
+def test_a_forward_placed_on_the_line_through_two_traces_is_the_trace_at_that_length(case):
+    """passes/rescale.extrapolate: the forward at a third length (above, between and below the two traced),
+    without tracing it, is the trace there, equation for equation; a length whose sizes are no ints on the line
+    (each rank's L / P at 770 over 4 ranks) is refused."""
+    from autosp.passes.rescale import RescaleError, extrapolate
+    sp = 8 if case == "ring" else 2
+    pick = (lambda g, local: g) if case == "no-sp" else (lambda g, local: local)
+    with fake_world(sp):
+        a, b = (pick(*_graphs(s, sp, packed=case == "packed")) for s in (768, 1536))
+        for s in (3072, 1024, 256):
+            got, want = extrapolate(a, 768, b, 1536, s), pick(*_graphs(s, sp, packed=case == "packed"))
+            assert str(got) == str(want) and got.in_spec == want.in_spec, (case, s)
+        if case == "ring":
+            with pytest.raises(RescaleError, match="no positive int"):
+                extrapolate(a, 768, b, 1536, 770)
+
+
+def test_a_size_that_grows_otherwise_than_in_proportion_is_not_extrapolated():
+    """A program whose shapes hold L x L (a flattened score matrix) at two lengths: the line through them says the
+    wrong size at a third, and the equation that makes it says so (RescaleError): the caller traces instead."""
+    from autosp.passes.rescale import RescaleError, extrapolate
+    from autosp.trace import trace
+
+    def f(x):
+        return (x.unsqueeze(-1) * x.unsqueeze(-2)).reshape(-1).sum()
+    a, b = (trace(f, torch.zeros(s, device="meta")) for s in (96, 160))
+    with pytest.raises(RescaleError):
+        extrapolate(a, 96, b, 160, 224)
+
+
+def test_autosp_plan_checks_its_answer_on_forwards_placed_on_the_probes_line():
+    """After two traces of one step (the probe's), Tracer.local gives the forward at any other length from them,
+    the trace's equal, without tracing; a step of other flags is traced."""
+    import argparse
+
+    from autosp.run import plan as run_plan
+    from autosp.run.answer import _as_ranks_run, _tracer
+    from autosp.run.config import add_step_flags, step_of
+    from autosp.run.models import spec_of
+    p = argparse.ArgumentParser()
+    add_step_flags(p, "plan")
+    step = step_of(p.parse_args(["--model", "tiny", "--sp", "2", "--memory", "1GiB"]), "plan")
+    run_plan._TRACED.clear()
+    with fake_world(step.world), _as_ranks_run(step):
+        tracer = _tracer(step, spec_of(step))
+        for s in (1024, 4096):
+            tracer.trace(s, single=False)
+        def no_trace(*args, **kwargs):
+            raise AssertionError("traced: the two traces' line was not used")
+        tracer._graphs = no_trace
+        got = tracer.local(2560)
+        del tracer._graphs
+        run_plan._TRACED.clear()
+        assert str(got) == str(tracer.trace(2560, single=False).local)

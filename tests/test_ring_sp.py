@@ -96,6 +96,22 @@ def test_plan_accepts_an_sp_beyond_the_heads():
     assert "none" not in row, row
 
 
+def test_a_ring_step_traces_again_in_a_new_world():
+    """`autosp plan` opens a fake world per verdict: the ring's sub-groups made in a world torn down are made again
+    in the next (they were kept by their ranks alone: `autosp plan --sp 4 --ring 2` failed at its first check
+    with "Could not resolve the process group registered under the name 1")."""
+    import autosp
+    from autosp.run.meshes import fake_world, planning_mesh
+    from tests.models import llama_loss, tiny_llama
+    model = tiny_llama(layers=1, hidden=64, heads=4, kv_heads=2, vocab=64, device="meta")
+    params = {k: v.detach().requires_grad_(True) for k, v in model.named_parameters()}
+    ids = torch.zeros(1, 256, dtype=torch.long, device="meta")
+    for _ in range(2):
+        with fake_world(8):
+            _, local = autosp.shard(llama_loss(model), planning_mesh(8)).graphs(params, ids, ids)
+            assert any(e.op.name.startswith("ring_attention") for e in local.eqns)
+
+
 def test_measured_peak_with_the_ring_is_the_planned():
     """4-layer Llama, s=1024, sp=4 as U=2 x R=2: the profiler's peak per rank against plan.peak_bytes with
     and without recomputation, at the least budget the planner accepts (the ring ops' buffers are in the

@@ -231,9 +231,11 @@ def _cost_model(name: str) -> str:
 
 
 def _tracer(step: Step, spec) -> Tracer:
-    return Tracer(spec, planning_mesh(step.sp, step.dp), step.dtype, step.rank_batch, step.sp,
-                  shard_params=step.sharded, ring=step.ring, reduce_dtype=step.grad_dtype, packing=step.packing,
-                  objective=step.objective, beta=step.beta, lora=step.lora)
+    tracer = Tracer(spec, planning_mesh(step.sp, step.dp), step.dtype, step.rank_batch, step.sp,
+                    shard_params=step.sharded, ring=step.ring, reduce_dtype=step.grad_dtype, packing=step.packing,
+                    objective=step.objective, beta=step.beta, lora=step.lora)
+    tracer.key = step.with_length(None)     # the traces are a function of the step's flags and the length
+    return tracer
 
 
 def _state_fails(step: Step, st: ModelState, share: int) -> str | None:
@@ -709,7 +711,7 @@ def at_length(step: Step, *, with_longest: bool = True, parallel: bool = True, q
             return fit
         fit.budget = step.step_budget(fit.resident)
         fit.host_cap = step.activation_host_bytes(st.host)
-        local = tracer.trace(step.seq_len, single=False).local
+        local = tracer.local(step.seq_len)
         if step.objective == "dpo":                 # the run's peak is the larger of the step's and this one's
             from autosp.run.dpo import reference_peak
             fit.reference = reference_peak(tracer, step.seq_len, step.target)

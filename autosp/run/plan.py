@@ -154,6 +154,8 @@ class Tracer:
         return self.head + (ids, ids) + ((torch.zeros_like(ids),) if self.packing == "docs" else ())
 
     shared = None       # a _Shared of the probe's two processes, while they run
+    key = None          # what the traces are a function of besides the length (run/answer.py: the step without
+                        # it): traces made under one key are kept (_TRACED) to place others on their line
 
     def trace(self, length: int, single: bool = True) -> Programs:
         """The programs at `length`; single=False: without the no-SP program where it takes another
@@ -165,6 +167,14 @@ class Tracer:
                 self.shared.put(length, (graph, local))
         else:
             graph, local = got
+        if self.key is not None:
+            kept = _TRACED.pop(self.key, {})
+            _TRACED[self.key] = kept                # the most recent step last; the oldest dropped
+            while len(_TRACED) > 4:
+                _TRACED.pop(next(iter(_TRACED)))
+            kept[length] = local
+            for drop in sorted(kept)[1:-1]:     # the two farthest apart are the line's
+                del kept[drop]
         single_program = None
         if not self.sharded:
             single_program = graph
@@ -173,6 +183,22 @@ class Tracer:
         elif single:                    # the same global trace, sharded for the dp = all ranks mesh
             single_program = self._graphs(self.single_mesh, length, graph)[1]
         return Programs(length, graph, local, single_program)
+
+    def local(self, length: int):
+        """The SP step's forward at `length` (Programs.local): placed on the line through two traces of the same
+        step at other lengths where this process has them (passes/rescale.extrapolate: a tenth of a trace for
+        the 8B step; `autosp plan` checks its answer at a few lengths after probing two), else traced."""
+        from autosp.passes.rescale import RescaleError, extrapolate
+        kept = _TRACED.get(self.key, {}) if self.key is not None else {}
+        if length in kept:
+            return kept[length]
+        if len(kept) >= 2:
+            la, lb = min(kept), max(kept)
+            try:
+                return extrapolate(kept[la], la, kept[lb], lb, length)
+            except RescaleError:
+                pass
+        return self.trace(length, single=False).local
 
     def _graphs(self, mesh, length: int, global_graph=None):
         """autosp.shard(...).graphs at `length` (of `global_graph`, the global trace, where given), traced
@@ -187,6 +213,9 @@ class Tracer:
                 return sharded.graphs(*args, global_graph=global_graph)
         except AutospError:
             return sharded.graphs(*args, global_graph=global_graph)
+
+
+_TRACED: dict = {}      # Tracer.key -> {length: the SP step's forward}: two per key, four keys, for Tracer.local
 
 
 class _Shared:
