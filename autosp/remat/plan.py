@@ -26,7 +26,7 @@ from autosp.passes.autodiff import Joint
 from autosp.remat import liveness as L
 from autosp.remat.apply import Program, apply_plan, host_name
 from autosp.remat.cost import Device, eqn_cost
-from autosp.remat.cuts import activations, checkpoint_plans
+from autosp.remat.cuts import activations, checkpoint_plans, with_narrow
 from autosp.remat.problem import IlpProblem, Needs, build, host_limit
 from autosp.remat.solve import Infeasible, solve
 from autosp.remat.template import tie, untie, variable_classes
@@ -263,14 +263,17 @@ def _solve_classes(problem: IlpProblem, classes, budget: float | None, **kw) -> 
 
 
 def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, host_memory=None,
-              template: bool | None = None, refine: bool = True, search: bool = True) -> tuple[Plan, Program]:
+              template: bool | None = None, refine: bool = True, search: bool = True,
+              cheapest: bool = True) -> tuple[Plan, Program]:
     """The plan for `budget` and its programs. `template`: tie identical layers (template.py);
     None ties them when the problem is large (more than 200 binaries). budget="least": the plan
     with the smallest peak found. With `refine` False the plan is any that fits, not the cheapest
     (no cost-minimising solve, the slowest kind): what the planning command's length search asks.
     `host_memory`: bytes per rank (or '64GiB') the offloaded values may take; None: no limit.
     `search` False: where the budget's solves find no plan, refuse at once, without the least-peak
-    search (the tiling search asks so of the tilings it passes by)."""
+    search (the tiling search asks so of the tilings it passes by). `cheapest` False: budget="least" with
+    `refine` answers the least-peak search's own plan, without the cost-minimising solve at its peak (the
+    tiling search compares its ends by their least peaks first, and refines the lower alone)."""
     host = parse_host_memory(host_memory)
     host = host if offload else None              # without a host link nothing is offloaded anyway
     unlimited, needs = build(joint, device, offload=offload)
@@ -296,11 +299,18 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, ho
         found[:] = checkpoint_plans(problem, needs, activations(joint), host)
         return found
 
+    def narrow(how, x):                 # the best seed, keeping the narrow values its backward reads too
+        y = with_narrow(problem, needs, activations(joint), x, host)
+        if y is None:
+            return None
+        found.append((f"{how}, and the narrow values the backward reads", y))
+        return y
+
     if kind == "least":
         # refine False asks for a peak (the planning command's length search): a coarser search
         least = _least(problem, needs, classes, simulated, no_remat, full_x, full, tol=0.005 if refine else 0.02,
-                       seeds=seeds())
-        if refine:
+                       seeds=seeds(), narrow=narrow)
+        if refine and cheapest:
             least = _cheapest_at(problem, needs, classes, simulated, least)
         x, prog, peak = least
         return _describe(problem, joint, x, prog, no_remat, int(peak), int(peak), device, host,
@@ -333,7 +343,7 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, ho
         # the smallest peak the planner reaches (_least: per-layer checkpointing, peak-minimising MIPs and a
         # bisection, judged by simulation); its plan is used if it fits, else the budget is refused
         # the same search as memory_budget="least" (its own rows: the least it reports is then accepted)
-        least = _least(problem, needs, classes, simulated, no_remat, full_x, full, seeds=seeds())
+        least = _least(problem, needs, classes, simulated, no_remat, full_x, full, seeds=seeds(), narrow=narrow)
         least_peak = least[2]
         if least_peak <= target:
             if refine:
@@ -399,7 +409,7 @@ def _host_shortfall(problem, unlimited, needs, classes, simulated, least_x, host
 
 
 def _least(problem, needs, classes, simulated, no_remat, full_x, full, tol: float = 0.005, rounds: int = 2,
-           seeds=()):
+           seeds=(), narrow=None):
     """(x, program, peak) of the lowest simulated peak found: `seeds` (assignments: per-layer
     checkpointing at the program's cuts, cuts.py), then peak-minimising MIPs with the memory
     placed for a set of recomputations (none, then each answer's own, `rounds` times); where they
@@ -412,10 +422,16 @@ def _least(problem, needs, classes, simulated, no_remat, full_x, full, tol: floa
     same search wherever it is asked."""
     known: set[int] = set()
     best = (full_x, full, no_remat)
-    for _, x in seeds:
+    best_how = None
+    for how, x in seeds:
         prog, peak = simulated(x)
         if peak < best[2]:
-            best = (x, prog, peak)
+            best, best_how = (x, prog, peak), how
+    y = narrow(best_how, best[0]) if narrow is not None and best_how is not None else None
+    if y is not None:                   # the best seed keeping the narrow values too (cuts.with_narrow)
+        prog, peak = simulated(y)
+        if peak < best[2]:
+            best = (y, prog, peak)
     seeded = best
     best = _descend(problem, needs, classes, simulated, best, frozenset(), rounds, known)
     if best is seeded and seeded[0] is not full_x:
