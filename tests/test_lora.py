@@ -238,7 +238,7 @@ def test_lora_least_peak_is_no_higher_than_full_fine_tuning():
     hold. LoRA's down projection joins its MLP tiles' A h into one [s, r] value; per-layer checkpointing recomputed
     it, and with it every tile's hidden before the first tile's backward: 24.4 MiB against 18.7 (1.31x), so LoRA
     trained shorter than full fine-tuning. The least-peak search now also tries its best seed keeping the narrow
-    values the backward reads (remat/cuts.with_narrow)."""
+    joins of tiles the backward reads (remat/cuts.with_narrow)."""
     import argparse
 
     from autosp.remat import plan_step
@@ -256,5 +256,5 @@ def test_lora_least_peak_is_no_higher_than_full_fine_tuning():
             plan = plan_step(local, "least", refine=False, plan_only=True)[0]
         peaks[bool(extra)] = plan.peak_bytes
         if extra:
-            assert "narrow values" in plan.method, plan.method
+            assert "narrow joins" in plan.method, plan.method
     assert peaks[True] <= peaks[False], peaks

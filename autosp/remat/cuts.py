@@ -149,19 +149,19 @@ def checkpoint_plans(problem: IlpProblem, needs: Needs, acts: set[str],
     return out
 
 
-def with_narrow(problem: IlpProblem, needs: Needs, acts: set[str], x: np.ndarray,
+def with_narrow(problem: IlpProblem, needs: Needs, acts: set[str], joins: set[str], x: np.ndarray,
                 host: float | None = None) -> np.ndarray | None:
-    """Per-layer checkpointing `x` (checkpoint_plan's) that also keeps the narrow activations the backward reads
-    (at most a sixteenth of the larger of the two units: LoRA's A x beside each projection, a norm's statistics), or None where
-    it keeps them already. Recomputing one of them can hold a whole chain up: LoRA's down projection joins its
-    tiles' A h into one [s, r] value, whose recomputation rebuilt every MLP tile's hidden before the first tile's
-    backward (tiny at 4,096 tokens, sp 2: 27.8 MiB against 18.7 without LoRA)."""
+    """Per-layer checkpointing `x` (checkpoint_plan's) that also keeps the narrow joins the backward reads: values
+    `joins` names (a cat of a tiled chain's pieces) of at most a sixteenth of the larger unit (LoRA's A h beside a
+    tiled MLP's down projection). None where there are none to keep. Recomputing such a join recomputes every
+    tile's hidden at once, held to each tile's own backward: LoRA's least peak at tiny, 4,096 tokens, sp 2, was
+    24.4 MiB against full fine-tuning's 18.7."""
     nK, nV = len(problem.eqns), len(problem.values)
     unit = units(problem, needs, acts)
-    if not unit:
+    if not unit or not joins:
         return None
     kept = {i for i in range(nV) if x[nK + i] > 0.5 or x[nK + nV + i] > 0.5}
-    narrow = {i for i, v in enumerate(needs.values) if v in acts and v in needs.first_direct
+    narrow = {i for i, v in enumerate(needs.values) if v in joins and v in acts and v in needs.first_direct
               and problem.value_bytes[i] <= max(unit) / 16} - kept
     if not narrow:
         return None
