@@ -234,10 +234,17 @@ def _plan_now(local, memory_budget, dev, *, host_memory=None, refine: bool = Tru
 
     kernels = attention_kernels(local, dev, attention)
 
-    def at(ks, budget, search=True, kernel=kernels[0], cheapest=True):
+    def at(ks, budget, search=True, kernel=kernels[0], deferred=None):
         boundary, joint = _joint(_tiled(local, ks, chains) if ks else local, kernel)
         plan, program = make_plan(joint, budget, dev, offload=offload, host_memory=host_memory, refine=refine,
-                                  search=search, cheapest=cheapest)
+                                  search=search, deferred=deferred)
+        if deferred:                             # the cheapest plan at this least peak, made if this end wins
+            finish = deferred.pop()
+            deferred.append(lambda: at_done(finish(), ks, kernel, joint, boundary))
+        return at_done((plan, program), ks, kernel, joint, boundary)
+
+    def at_done(made, ks, kernel, joint, boundary):
+        plan, program = made
         plan = replace(plan, attention_backward=kernel)
         return _with_tiling(plan, ks, by_id), program, joint, boundary, ks
 
@@ -259,15 +266,16 @@ def _plan_now(local, memory_budget, dev, *, host_memory=None, refine: bool = Tru
             # long context)
             if found and _widest(_tiled(local, ks, chains) if ks else local) >= found[0][0].peak_bytes:
                 continue
-            found.append(at(ks, memory_budget, kernel=kernels[0], cheapest=False))
+            finish = []
+            found.append(at(ks, memory_budget, kernel=kernels[0], deferred=finish) + (finish,))
         # autosp's attention backward, where the backend's scratch is what holds a least peak up
-        found += [at(r[4], memory_budget, kernel=kernel, cheapest=False) for r in found
-                  if _attention_bound(r[1], dev.name) for kernel in kernels[1:]]
+        found += [at(r[4], memory_budget, kernel=kernel, deferred=finish) + (finish,) for r in list(found)
+                  if _attention_bound(r[1], dev.name) for kernel in kernels[1:] for finish in [[]]]
         # the lower least; at a tie the backend's kernel and the fewer tiles (both faster)
         best = min(found, key=lambda r: (r[0].peak_bytes, r[0].attention_backward != kernels[0], sum(r[4].values())))
-        # its cheapest plan at that peak: the search again (deterministic: the same least) and the cost-minimising
-        # solve, for the lower end alone (MiniMax's at 128 tokens: 15 s a solve, half of train's planning)
-        return at(best[4], memory_budget, kernel=best[0].attention_backward) if refine else best
+        # its cheapest plan at that peak (the cost-minimising solve), for the lower end alone: MiniMax's at 128
+        # tokens took 15-23 s a solve, half of train's planning
+        return best[5][0]() if best[5] else best[:5]
     budget = memory_budget
     if kind == "fraction" and len(levels) > 1:
         whole = make_plan(_joint(local, kernels[0])[1], None, dev, offload=offload, host_memory=host_memory)[0]

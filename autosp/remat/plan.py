@@ -264,16 +264,17 @@ def _solve_classes(problem: IlpProblem, classes, budget: float | None, **kw) -> 
 
 def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, host_memory=None,
               template: bool | None = None, refine: bool = True, search: bool = True,
-              cheapest: bool = True) -> tuple[Plan, Program]:
+              deferred: list | None = None) -> tuple[Plan, Program]:
     """The plan for `budget` and its programs. `template`: tie identical layers (template.py);
     None ties them when the problem is large (more than 200 binaries). budget="least": the plan
     with the smallest peak found. With `refine` False the plan is any that fits, not the cheapest
     (no cost-minimising solve, the slowest kind): what the planning command's length search asks.
     `host_memory`: bytes per rank (or '64GiB') the offloaded values may take; None: no limit.
     `search` False: where the budget's solves find no plan, refuse at once, without the least-peak
-    search (the tiling search asks so of the tilings it passes by). `cheapest` False: budget="least" with
-    `refine` answers the least-peak search's own plan, without the cost-minimising solve at its peak (the
-    tiling search compares its ends by their least peaks first, and refines the lower alone)."""
+    search (the tiling search asks so of the tilings it passes by). `deferred` (a list): budget="least" with
+    `refine` answers the least-peak search's own plan and appends the call that makes the cheapest plan at its peak
+    (the cost-minimising solve: the tiling search compares its ends by their least peaks and refines the lower
+    alone)."""
     host = parse_host_memory(host_memory)
     host = host if offload else None              # without a host link nothing is offloaded anyway
     unlimited, needs = build(joint, device, offload=offload)
@@ -311,11 +312,16 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, ho
         # refine False asks for a peak (the planning command's length search): a coarser search
         least = _least(problem, needs, classes, simulated, no_remat, full_x, full, tol=0.005 if refine else 0.02,
                        seeds=seeds(), narrow=narrow)
-        if refine and cheapest:
+
+        def described(least):
+            x, prog, peak = least
+            return _describe(problem, joint, x, prog, no_remat, int(peak), int(peak), device, host,
+                             _method(x, found), peak=peak), prog
+        if refine and deferred is not None:
+            deferred.append(lambda: described(_cheapest_at(problem, needs, classes, simulated, least)))
+        elif refine:
             least = _cheapest_at(problem, needs, classes, simulated, least)
-        x, prog, peak = least
-        return _describe(problem, joint, x, prog, no_remat, int(peak), int(peak), device, host,
-                         _method(x, found), peak=peak), prog
+        return described(least)
     target = amount * no_remat if kind == "fraction" else amount
     if target >= no_remat:
         return _describe(problem, joint, full_x, full, no_remat, int(target), None, device, host,
