@@ -8,7 +8,8 @@ programs, the long one searches the least-peak plan and replays it; run side by 
 train's verdicts the answer is checked with (autosp plan --seq-len L: a trace at L and the least-peak search), and
 the ILP row priced again at the checked length when that differs. The plan cache is off (every phase plans); the
 collector is set as `autosp plan` sets it; the import of autosp and the process's exit are not in the wall time.
-Prints one line per phase, in the order they ended, then the answer and the wall time.
+Prints one line per phase, in the order they ended (each round of two verdicts with each one's excess over its
+budget: where the next round is aimed from), then the answer and the wall time.
 """
 from __future__ import annotations
 
