@@ -234,19 +234,20 @@ def _plan_now(local, memory_budget, dev, *, host_memory=None, refine: bool = Tru
 
     kernels = attention_kernels(local, dev, attention)
 
-    def at(ks, budget, search=True, kernel=kernels[0], deferred=None):
+    def at(ks, budget, search=True, kernel=kernels[0], defer=False):
+        """The plan at tiling `ks` with `kernel`; `defer`: a least-peak plan with, last, the call that makes the
+        cheapest plan at its peak (make_plan's `deferred`), or None where there is none to make."""
         boundary, joint = _joint(_tiled(local, ks, chains) if ks else local, kernel)
-        plan, program = make_plan(joint, budget, dev, offload=offload, host_memory=host_memory, refine=refine,
-                                  search=search, deferred=deferred)
-        if deferred:                             # the cheapest plan at this least peak, made if this end wins
-            finish = deferred.pop()
-            deferred.append(lambda: at_done(finish(), ks, kernel, joint, boundary))
-        return at_done((plan, program), ks, kernel, joint, boundary)
+        later = [] if defer else None
+        made = make_plan(joint, budget, dev, offload=offload, host_memory=host_memory, refine=refine,
+                         search=search, deferred=later)
 
-    def at_done(made, ks, kernel, joint, boundary):
-        plan, program = made
-        plan = replace(plan, attention_backward=kernel)
-        return _with_tiling(plan, ks, by_id), program, joint, boundary, ks
+        def done(made):
+            plan, program = made
+            return _with_tiling(replace(plan, attention_backward=kernel), ks, by_id), program, joint, boundary, ks
+        if not defer:
+            return done(made)
+        return done(made) + ((lambda: done(later[0]())) if later else None,)
 
     def first_fit(ks, budget, search=True):
         """The plan at tiling `ks` with the first kernel that fits the budget (the backend's first: it is faster)."""
@@ -266,16 +267,15 @@ def _plan_now(local, memory_budget, dev, *, host_memory=None, refine: bool = Tru
             # long context)
             if found and _widest(_tiled(local, ks, chains) if ks else local) >= found[0][0].peak_bytes:
                 continue
-            finish = []
-            found.append(at(ks, memory_budget, kernel=kernels[0], deferred=finish) + (finish,))
+            found.append(at(ks, memory_budget, kernel=kernels[0], defer=True))
         # autosp's attention backward, where the backend's scratch is what holds a least peak up
-        found += [at(r[4], memory_budget, kernel=kernel, deferred=finish) + (finish,) for r in list(found)
-                  if _attention_bound(r[1], dev.name) for kernel in kernels[1:] for finish in [[]]]
+        found += [at(r[4], memory_budget, kernel=kernel, defer=True) for r in list(found)
+                  if _attention_bound(r[1], dev.name) for kernel in kernels[1:]]
         # the lower least; at a tie the backend's kernel and the fewer tiles (both faster)
         best = min(found, key=lambda r: (r[0].peak_bytes, r[0].attention_backward != kernels[0], sum(r[4].values())))
         # its cheapest plan at that peak (the cost-minimising solve), for the lower end alone: MiniMax's at 128
         # tokens took 15-23 s a solve, half of train's planning
-        return best[5][0]() if best[5] else best[:5]
+        return best[5]() if best[5] is not None else best[:5]
     budget = memory_budget
     if kind == "fraction" and len(levels) > 1:
         whole = make_plan(_joint(local, kernels[0])[1], None, dev, offload=offload, host_memory=host_memory)[0]
