@@ -49,9 +49,11 @@ def main(argv=None) -> int:
     def pair(first, second, parallel=True):             # a round of verdicts: each one's excess over the budget
         t = time.perf_counter()
         out = both(first, second, parallel)
-        if all(isinstance(x, float) for x in out):
+        if all(isinstance(x, tuple) and isinstance(x[0], float) for x in out):
             log.append((time.perf_counter() - t0, "round of two verdicts", time.perf_counter() - t,
-                        "excess " + ", ".join(f"{x / 2**20:+,.1f} MiB" for x in out), ""))
+                        "excess " + ", ".join(f"{e / 2**20:+,.1f} MiB" + ("" if h is None else
+                                                                         f" (host {h / 2**20:+,.1f} MiB)")
+                                              for e, h, *_ in out), ""))
         return out
     plan._both = pair
     answer.at_length = timed("verdict", answer.at_length)

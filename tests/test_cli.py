@@ -861,6 +861,80 @@ def test_the_plan_check_finds_trains_length_in_few_plans(reach, excess, monkeypa
         assert len(asked) <= 8, asked
 
 
+@pytest.mark.parametrize("edge", [17_317_888, 16_400_384, 16_269_312])
+def test_the_plan_check_aims_at_where_the_host_fills(edge, monkeypatch):
+    """Where the host's share holds the answer back, the least-peak plan's excess is a line with a cliff: one more
+    kept value no longer fits the host and is saved on the device (+3.4 GiB at 8B on 32 ranks, 9 MiB a granule
+    below it). No line through the excess finds a cliff: the bracket was halved, 8 rounds of two verdicts (14
+    verdicts, 60 of the plan's 96 s). The bytes each verdict offloads are a line too, and where it meets the host
+    cap is the pair to ask: the first pair and that one."""
+    from types import SimpleNamespace
+
+    from autosp.run import answer
+    asked, granule, cap = [], 2048, 128 * 2**30
+    per_token = cap / (edge + granule // 2)          # the host fills between edge and edge + granule
+
+    def at_length(step, **_):
+        n = step.seq_len
+        asked.append(n)
+        demand = per_token * n
+        over = demand > cap
+        least = 78 * 2**30 + 9 * 2**20 * (n - 17_506_304) / granule + (6 * 2**30 if over else 0)
+        budget = 78 * 2**30
+        plan = SimpleNamespace(offload_bytes=int(cap - 4 * 2**30 if over else demand))
+        return SimpleNamespace(fits=least <= budget, verdict=least <= budget, least=int(least), budget=budget,
+                               least_plan=(plan, None), host_cap=cap)
+
+    class Step:
+        def __init__(self, n):
+            self.seq_len = n
+
+        def with_length(self, n):
+            return Step(n)
+
+    monkeypatch.setattr(answer, "at_length", at_length)
+    length, note, _ = answer._checked(Step(16_267_264), granule, parallel=False)
+    assert length == edge and (edge + granule) in asked and f"{edge:,} tokens fit" in note
+    assert len(asked) <= 4, asked
+
+
+def test_a_verdict_made_in_the_other_process_comes_back_with_its_plans_split(monkeypatch):
+    """The plan check asks two lengths at a time, one in a forked process. Where the answer was the forked one's,
+    `autosp plan` planned it again for the table's row (its least-peak plan's split: 8 s at 8B, one verdict more).
+    A fitting verdict made there now comes back with that plan and its split (step time, collective bytes, bytes
+    saved at its peak)."""
+    from types import SimpleNamespace
+
+    from autosp.run import answer
+    reach, granule = 1_000 * 64 + 64, 64            # the first pair's second length is the answer
+    made = []
+
+    class Step:
+        def __init__(self, n):
+            self.seq_len = n
+
+        def with_length(self, n):
+            return Step(n)
+
+    def at_length(step, **_):
+        n = step.seq_len
+        made.append((os.getpid(), n))
+        least = 1_000 * n
+        fit = answer.Fit(SimpleNamespace(seq_len=n), SimpleNamespace(resident=0), 0, budget=1_000 * reach,
+                         least=least, verdict=least <= 1_000 * reach)
+        fit.least_plan = (SimpleNamespace(offload_bytes=0, peak_bytes=least), object())
+        return fit
+
+    monkeypatch.setattr(answer, "at_length", at_length)
+    monkeypatch.setattr(answer, "_split", lambda fit: setattr(fit, "least_split", (1.5, (2, 3), 4)) or
+                        fit.least_split)
+    length, _, fit = answer._checked(Step(1_000 * 64), granule, parallel=True)
+    assert length == reach
+    assert fit is not None and fit.least_split == (1.5, (2, 3), 4) and fit.least_plan[1] is None
+    assert fit.least_plan[0].peak_bytes == 1_000 * reach
+    assert all(n != reach for pid, n in made if pid == os.getpid())     # the answer was planned in the child
+
+
 def test_planning_worlds_leave_the_excepthook_as_they_found_it():
     """Each plan of `autosp plan` runs in a fake world; torch wraps sys.excepthook in each (a "[rank0]: " prefix)
     and never unwraps it: after 20 plans an error's traceback had 20 prefixes a line."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -373,26 +373,19 @@ def longest(step: Step, *, parallel: bool = True, granularity: int | None = None
     if rows[2].length and check:
         length, note, fit = _checked(step.with_length(rows[2].length), granule, parallel)
         if length != rows[2].length:                   # the row: train's verdict at that length, its least-peak plan
-            if fit is None or fit.least_plan is None or fit.least_plan[1] is None:
+            if fit is None or fit.least_plan is None or (fit.least_plan[1] is None and fit.least_split is None):
                 fit = at_length(step.with_length(length), with_longest=False, quick=True)
-            plan, program = fit.least_plan
-            if program is None:                        # read from the plan cache: plan it here for its split
+            if fit.least_plan[1] is None and fit.least_split is None:   # read from the plan cache: plan it here
                 fit = _plan_least(step.with_length(length))
-                plan, program = fit.least_plan
-            from autosp.remat.cost import device_for, eqn_cost
-            from autosp.run.plan import _profile, comm_bytes
-            dev = device_for(device, step.host_bandwidth)
-            with fake_world(world), _as_ranks_run(step):        # the collectives' groups, as the probes had them
-                values, saved, _ = _profile(program, device)
-                comm = comm_bytes(program)
-            seconds = sum(eqn_cost(e, dev).seconds for g in (program.forward, program.backward) for e in g.eqns)
+            plan = fit.least_plan[0]
+            seconds, comm, saved = fit.least_split or _split(fit)
             rows[2] = Row(rows[2].name, length, plan.peak_bytes + fit.tokens, comm,
                           f"the least-peak plan autosp train's verdict finds at {length:,} ({fmt(plan.peak_bytes)}"
                           + (f", by {plan.method}" if plan.method != "ILP" else "")
                           + (f"; it tiles {', '.join(_tiled_names(plan.tiling))}" if plan.tiling else "")
                           + ("; attention backward by autosp's kernel" if plan.attention_backward != "sdpa" else "")
                           + f"; the one found at {l2:,} and replayed at {l1:,} fit up to {rows[2].length:,})",
-                          seconds, int(saved[int(np.argmax(values))]), plan.offload_bytes)
+                          seconds, saved, plan.offload_bytes)
             host_line = _host_line(host, host_memory is not None, world, offload, plan.offload_bytes,
                                    plan.offload_seconds, st.host)
     # replicated: the gradients are all-reduced after the step, by ring; sharded: reduce-scattered in it
@@ -497,20 +490,59 @@ def _checked(step: Step, granule: int, parallel: bool = True, origin: str = "the
     from autosp.run.plan import _both
     first = step.seq_len
     excess: dict[int, float] = {}                   # length -> least peak - budget (fits: <= 0)
+    host: dict[int, float] = {}                     # length -> what the least-peak plan offloads - the host cap
     here: dict[int, Fit] = {}                       # the verdicts this process made (the others' are in children)
 
-    def verdict(length: int) -> float:
+    def verdict(length: int, away: bool = False) -> tuple[float, float | None, Fit | None]:
+        """(excess, host excess, the Fit where it was made `away`, in the other process: the answer may be its
+        length, and the table's row is its least-peak plan, so a fit comes back with that plan's split rather than
+        being planned a second time here, 8 s at 8B)."""
         fit = here[length] = at_length(step.with_length(length), with_longest=False, quick=True)
         if getattr(fit, "verdict", None) is None or fit.least is None:   # no verdict by --memory: fits or not
-            return -1.0 if fit.fits else 1.0
-        return float(fit.least - fit.budget)
+            return (-1.0 if fit.fits else 1.0), None, None
+        least = (getattr(fit, "least_plan", None) or (None,))[0]
+        offloaded = getattr(least, "offload_bytes", 0)
+        e = float(fit.least - fit.budget)
+        back = None
+        if away and e <= 0 and isinstance(fit, Fit) and fit.least_plan[1] is not None:
+            _split(fit)
+            back = replace(fit, least_plan=(least, None))
+        return e, (float(offloaded - fit.host_cap) if offloaded else None), back
 
     def ask(*lengths: int) -> None:
         new = [x for x in lengths if x >= granule and x not in excess]
         if len(new) == 2:
-            excess[new[0]], excess[new[1]] = _both(lambda: verdict(new[0]), lambda: verdict(new[1]), parallel)
-        elif new:
-            excess[new[0]] = verdict(new[0])
+            out = _both(lambda: verdict(new[0]), lambda: verdict(new[1], away=parallel), parallel)
+        else:
+            out = [verdict(x) for x in new]
+        for x, (e, h, fit) in zip(new, out):
+            excess[x] = e
+            if h is not None:
+                host[x] = h
+            if fit is not None:
+                here[x] = fit
+
+    def host_edge(lo: int | None, hi: int | None) -> int | None:
+        """Where the host fills: the longest length at which the line through a pair of fitting verdicts a granule
+        apart (the longest such pair whose offloaded bytes grow: one plan, its kept values offloaded in the same
+        places) is within the host cap, when that is no shorter than `lo`, within `hi`, not asked yet, and the
+        device's own line through the pair crosses zero no earlier. There the least-peak plan's excess may jump
+        (one more kept value no longer fits the host and is saved on the device: +3.4 GiB at 8B on 32 ranks,
+        9 MiB a granule below it), which no line through the device's excess finds; aimed at, the pair there
+        settles it. Where the host fills earlier and nothing jumps, it is one more pair of fits to go on from."""
+        pairs = [x for x in host if x + granule in host and excess[x] <= 0 and excess[x + granule] <= 0
+                 and host[x + granule] > host[x]]
+        if not pairs:
+            return None
+        x1 = max(pairs)
+        x2 = x1 + granule
+        h1, h2, e1, e2 = host[x1], host[x2], excess[x1], excess[x2]
+        x = int((x1 - h1 * (x2 - x1) / (h2 - h1)) // granule * granule)
+        if e2 > e1 and x1 - e1 * (x2 - x1) / (e2 - e1) < x:
+            return None                                  # the device fills first
+        if x < (lo or 0) or (hi is not None and x + granule > hi) or (x in excess and x + granule in excess):
+            return None
+        return x
 
     def bracket() -> tuple[int | None, int | None]:
         lo = max((x for x, e in excess.items() if e <= 0), default=None)
@@ -540,7 +572,7 @@ def _checked(step: Step, granule: int, parallel: bool = True, origin: str = "the
         return (xs[-1] + spread if hi is None else max(granule, xs[0] - spread)), False
 
     ask(first, first + granule)
-    stalled, width = False, None
+    stalled, width, edges = False, None, 0
     while True:
         lo, hi = bracket()
         if lo is not None and hi is not None and hi - lo <= granule:
@@ -550,7 +582,9 @@ def _checked(step: Step, granule: int, parallel: bool = True, origin: str = "the
         if lo is not None and hi is not None:            # a bracket that did not halve: halve it next
             stalled = width is not None and (hi - lo) > width // 2
             width = hi - lo
-        x, aimed = aim(lo, hi)
+        edge = host_edge(lo, hi) if edges < 2 else None     # twice at most: a line that misses is not walked on
+        edges += edge is not None
+        x, aimed = (edge, True) if edge is not None else aim(lo, hi)
         ask(x, x + granule) if aimed else ask(x)
     length = lo
     how = (f"{origin} length" if length == first else
@@ -579,6 +613,7 @@ class Fit:
     report: Report | None = None    # refused: `autosp plan` for the same flags (the longest that fits)
     verdict: bool | None = None     # the budget is what --memory leaves: whether the least peak fits it (fits)
     least_plan: tuple | None = None  # that verdict's (Plan, Program); the Program None when read from the plan cache
+    least_split: tuple | None = None  # that Program's (seconds, comm, saved at its peak), where worked out (_split)
     reference: int = 0              # DPO: the reference pass's peak (forward only, before the first step; dpo.py)
 
     @property
@@ -746,6 +781,21 @@ def _plan_least(step: Step) -> Fit:
             os.environ.pop("AUTOSP_PLAN_CACHE")
         else:
             os.environ["AUTOSP_PLAN_CACHE"] = before
+
+
+def _split(fit: Fit) -> tuple:
+    """fit.least_split: its least-peak program's step time (the cost model's), collective bytes and the bytes saved
+    for the backward at its peak, in the planning world (the collectives' groups, as the probes had them)."""
+    from autosp.remat.cost import device_for, eqn_cost
+    from autosp.run.plan import _profile, comm_bytes
+    step, program = fit.step, fit.least_plan[1]
+    with fake_world(step.world), _as_ranks_run(step):
+        values, saved, _ = _profile(program, step.target)
+        comm = comm_bytes(program)
+    dev = device_for(step.target, step.host_bandwidth)
+    seconds = sum(eqn_cost(e, dev).seconds for g in (program.forward, program.backward) for e in g.eqns)
+    fit.least_split = (seconds, comm, int(saved[int(np.argmax(values))]))
+    return fit.least_split
 
 
 def _plan_it(fit: Fit, local, tiles, args) -> None:
