@@ -76,3 +76,30 @@ class AutospDPOMixin(AutospTrainerMixin):
     def _loss_batch(self, inputs: dict, num_items_in_batch) -> tuple[dict, int]:
         # the loss is a mean over each dp rank's pairs, and autosp averages it over dp: the global mean
         return {k: inputs[k] for k in self._BATCH if k in inputs}, 1
+
+    def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
+        """TRL's precomputed reference log-probabilities (`precompute_ref_log_probs=True`), kept in memory on every
+        rank. TRL writes them to a cache file beside the dataset on rank 0 and reads that file on every rank; a
+        dataset made in memory (Dataset.from_list) has its cache folder in each process's own temporary folder, so
+        at 2 ranks rank 1 found no file and rank 0 waited for it in the first collective (a hang). Each rank
+        scores its share of the pairs with the frozen model (TRL's own compute_ref_log_probs, whole sequences,
+        forward only), the shares are gathered in order, and the two columns are added to the dataset here."""
+        if self.args.world_size == 1:
+            return super()._precompute_ref_logps(dataset, name, batch_size)
+        from datasets import IterableDataset
+        from torch.utils.data import DataLoader
+        if isinstance(dataset, IterableDataset):
+            raise AutospError(f"{type(self).__name__}(sp={self.sp}): precompute_ref_log_probs=True with an "
+                              f"IterableDataset for {name}: its rows cannot be scored before training. Fix: a "
+                              "map-style dataset (datasets.Dataset), or pass ref_model= instead.")
+        loader = self.accelerator.prepare(DataLoader(dataset, batch_size=batch_size, collate_fn=self.data_collator,
+                                                     shuffle=False, num_workers=self.args.dataloader_num_workers))
+        model = self.ref_model or self.model
+        chosen, rejected = [], []
+        for batch in loader:
+            c, r = self.accelerator.gather_for_metrics(self.compute_ref_log_probs(model, batch))
+            chosen.append(c.float().cpu())
+            rejected.append(r.float().cpu())
+        for column, values in (("ref_chosen_logps", chosen), ("ref_rejected_logps", rejected)):
+            dataset = dataset.add_column(column, torch.cat(values).tolist())
+        return dataset
