@@ -113,9 +113,14 @@ def _pairs():
                                "rejected": DOCS[(i + 2) % 5][:12]} for i in range(ROWS)])
 
 
+_REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+            "logps/rejected")
+
+
 def _dpo_run(cls, out: str, folder: str, batch: int = 2, precompute: bool = False, **kw):
     """DPO of the tiny Llama against a frozen copy of itself, pairs padded to S tokens; `precompute`: its reference
-    log-probabilities scored before training (TRL's precompute_ref_log_probs), no reference model kept."""
+    log-probabilities scored before training (TRL's precompute_ref_log_probs), no reference model kept. The losses
+    and gradient norms, then TRL's per-pair metrics of each logged step."""
     import copy
 
     from transformers import AutoModelForCausalLM
@@ -126,7 +131,7 @@ def _dpo_run(cls, out: str, folder: str, batch: int = 2, precompute: bool = Fals
                   processing_class=_tokenizer(folder),
                   train_dataset=_pairs(), args=args, **kw)
     trainer.train()
-    return _losses(trainer)
+    return _losses(trainer) + [h[k] for h in trainer.state.log_history if "loss" in h for k in _REWARDS]
 
 
 def _example_run(assets: dict, sp: int, out: str, batch: int = 2) -> list[float]:
@@ -203,8 +208,12 @@ def assets(tmp_path_factory) -> dict:
 
 
 def _off(got: list[float], want: list[float]) -> float:
-    assert len(got) == len(want) == 2 * STEPS, (got, want)
-    return max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    """The largest relative difference of the losses and gradient norms; a DPO run's metrics follow (rewards are
+    differences of log-probabilities, some 0 at the first step): against the log-probabilities' scale."""
+    assert len(got) == len(want) and len(want) in (2 * STEPS, (2 + len(_REWARDS)) * STEPS), (got, want)
+    scale = max(abs(x) for x in want[2 * STEPS:]) if len(want) > 2 * STEPS else 0.0
+    return max([abs(a - b) / abs(b) for a, b in zip(got[:2 * STEPS], want)]
+               + [abs(a - b) / scale for a, b in zip(got[2 * STEPS:], want[2 * STEPS:])])
 
 
 def _params_off(got: list[dict], want: list[dict]) -> float:

@@ -5,9 +5,10 @@ The training loss is TRL's DPO loss (loss_type 'sigmoid', the default) written a
 policy and the reference model, which autosp shards: each sequence's log-probability of its completion is a sum
 over the sequence (one pending sum under sp, resolved by one all-reduce), the chosen rows before the rejected ones
 as TRL's collator stacks them; the reference's comes from `ref_model` in the same program (its parameters are
-inputs that take no gradient) or from the batch (`precompute_ref_log_probs=True`). TRL's training metrics
-(rewards, margins, entropy) are not logged under sp: they need per-token outputs no rank holds whole; evaluation
-is TRL's own, on the plain model.
+inputs that take no gradient) or from the batch (`precompute_ref_log_probs=True`). TRL's per-pair training
+metrics are logged as TRL logs them (rewards, reward accuracy and margin, log-probabilities: the loss program
+returns each pair's log-probabilities beside the loss); its per-token ones (entropy, mean logits, token accuracy)
+are not, since no rank holds the whole logits. Evaluation is TRL's own, on the plain model.
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ class DPOLoss(torch.nn.Module):
             ref_chosen_logps, ref_rejected_logps = completion_logps(
                 self.ref, input_ids, attention_mask, completion_mask).chunk(2)
         margin = (chosen - ref_chosen_logps) - (rejected - ref_rejected_logps)
-        return -F.logsigmoid(self.beta * margin).mean()
+        # with each pair's log-probabilities, for TRL's reward metrics (per pair: whole on every rank)
+        return -F.logsigmoid(self.beta * margin).mean(), chosen, rejected, ref_chosen_logps, ref_rejected_logps
 
 
 class AutospDPOMixin(AutospTrainerMixin):
@@ -76,6 +78,21 @@ class AutospDPOMixin(AutospTrainerMixin):
     def _loss_batch(self, inputs: dict, num_items_in_batch) -> tuple[dict, int]:
         # the loss is a mean over each dp rank's pairs, and autosp averages it over dp: the global mean
         return {k: inputs[k] for k in self._BATCH if k in inputs}, 1
+
+    def _logged(self, out):
+        """The loss, with TRL's per-pair metrics recorded as DPOTrainer records them (rewards, their accuracy and
+        margin, the completions' log-probabilities; gathered over the world, whose sp ranks hold the same pairs,
+        so each mean is the dp ranks' mean). Its per-token ones (entropy, mean logits, token accuracy) need the
+        whole logits, which no rank holds under sp: not recorded."""
+        loss, chosen, rejected, ref_chosen, ref_rejected = (x.detach() if i else x for i, x in enumerate(out))
+        chosen_rewards, rejected_rewards = self.beta * (chosen - ref_chosen), self.beta * (rejected - ref_rejected)
+        gather, metrics = self.accelerator.gather, self._metrics["train"]
+        for key, value in (("rewards/chosen", chosen_rewards), ("rewards/rejected", rejected_rewards),
+                           ("rewards/accuracies", (chosen_rewards > rejected_rewards).float()),
+                           ("rewards/margins", chosen_rewards - rejected_rewards),
+                           ("logps/chosen", chosen), ("logps/rejected", rejected)):
+            metrics[key].append(gather(value).mean().item())
+        return loss
 
     def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
         """TRL's precomputed reference log-probabilities (`precompute_ref_log_probs=True`), kept in memory on every

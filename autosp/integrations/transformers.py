@@ -171,6 +171,10 @@ class AutospTrainerMixin:
                 scale = self.dp     # autosp averages over dp the dp ranks' sums over the global count
         return batch, scale
 
+    def _logged(self, out):
+        """The loss from what _loss_module's forward returned (a subclass records metrics from the rest)."""
+        return out
+
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         from autosp.api import ShardedModule
         if not isinstance(model, ShardedModule) or not model.training:
@@ -183,7 +187,7 @@ class AutospTrainerMixin:
                               "Fix: ask for the loss alone.")
         batch, scale = self._loss_batch(inputs, num_items_in_batch)
         try:
-            loss = model(**batch)
+            loss = self._logged(model(**batch))
         except AutospError as exc:
             # the first call compiles: autosp's own message (the op, the line, the fix), with the trainer's context
             raise type(exc)(f"{name}(sp={self.sp}): autosp cannot compile the training step of "
