@@ -143,13 +143,48 @@ def test_the_cache_keeps_the_answer_mask_and_the_labels_are_the_answers(tok_dir,
     # --loss-on: chat data defaults to the answers; `all` drops the mask
     assert chat.loss_on(corpus, None, None)[2] == "assistant" and chat.loss_on(corpus, None, "all")[0].answers is None
     # labels: the answer tokens' own, -100 elsewhere; with packed documents the first token of each stays -100
+    for seq_len in (20, 64):
+        _whole_conversations(corpus, seq_len)
+
+
+def _whole_conversations(corpus, seq_len: int) -> None:
+    """Every conversation is in one sequence, whole (its last seq_len tokens where it is longer), the sequences of
+    an epoch hold each once, labels are its answer tokens' (the first of each -100 with packed documents), and the
+    rest of a sequence is padding (EOS, label -100, its own positions from 0)."""
+    from autosp.run.data import bins
+    starts = np.append(corpus.documents, corpus.length)
+    docs = [(corpus.tokens(max(a, b - seq_len), b), np.asarray(corpus.answers[max(a, b - seq_len):b], bool))
+            for a, b in zip(starts[:-1], starts[1:])]
+    n = corpus.sequences(seq_len)
+    assert bins(corpus, seq_len)[2] == sum(b - a > seq_len for a, b in zip(starts[:-1], starts[1:]))
     for packing in ("concat", "docs"):
-        ids, labels, _ = batch_inputs(corpus, seq_len=20, batch=corpus.sequences(20), step=0, seed=0, packing=packing)
-        rows = [int(np.flatnonzero((np.stack([corpus.tokens(k * 20, k * 20 + 20) for k in range(corpus.sequences(20))])
-                                    == r).all(1))[0]) for r in ids]
-        for r, k in zip(range(len(ids)), rows):
-            keep = np.asarray(corpus.answers[k * 20:(k + 1) * 20]).astype(bool)
-            assert (labels[r][~keep] == -100).all() and (labels[r][keep] == ids[r][keep]).all()
+        ids, labels, pos = batch_inputs(corpus, seq_len=seq_len, batch=n, step=0, seed=0, packing=packing)
+        seen = []
+        for r in range(n):
+            at, row = 0, []
+            while at < seq_len and pos is not None and (at == 0 or pos[r, at] == 0) and at < seq_len:
+                k = next((i for i, (t, _) in enumerate(docs) if i not in seen and len(t) <= seq_len - at
+                          and np.array_equal(ids[r, at:at + len(t)], t)), None)
+                if k is None:
+                    break
+                t, keep = docs[k]
+                want = np.where(keep, t, -100)
+                if packing == "docs" and at > 0:
+                    want[0] = -100
+                assert np.array_equal(labels[r, at:at + len(t)], want), (r, k)
+                assert np.array_equal(pos[r, at:at + len(t)], np.arange(len(t)))
+                seen.append(k)
+                row.append(k)
+                at += len(t)
+            if pos is not None:
+                assert row, r
+                assert (ids[r, at:] == corpus.eos).all() and (labels[r, at:] == -100).all()
+                assert np.array_equal(pos[r, at:], np.arange(seq_len - at))
+        if pos is not None:
+            assert sorted(seen) == list(range(len(docs)))          # each conversation once in an epoch
+        else:                                                       # concat: the same rows, positions not given
+            assert np.array_equal(ids, batch_inputs(corpus, seq_len=seq_len, batch=n, step=0, seed=0,
+                                                    packing="docs")[0])
 
 
 # ---------------------------------------------------------------- the loss on the answers, exact against one device

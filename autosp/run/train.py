@@ -33,6 +33,17 @@ from autosp.run.optim import make_optimizer, make_schedule, state_bytes
 from autosp.run.token_mean import accumulated_step, token_mean_loss, with_divisor
 
 
+
+def _whole_line(corpus, seq_len: int) -> str:
+    """Chat data: that each sequence holds whole conversations, and how many were longer than one."""
+    if not corpus.whole_documents:
+        return ""
+    from autosp.run.data import bins
+    first, _, cut = bins(corpus, seq_len)
+    n = len(corpus.documents)
+    return (f" of whole conversations ({n:,}, padded to {seq_len:,} tokens"
+            + (f"; {cut:,} longer than that, each its last {seq_len:,} tokens" if cut else "") + ")")
+
 def _say(*a):
     if dist.get_rank() == 0:
         print(*a, flush=True)
@@ -323,8 +334,8 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
          + f" on {dev.type} ({'nccl' if dev.type == 'cuda' else 'gloo'}), {step.precision}; "
          f"global batch {step.global_batch} x {step.seq_len} tokens{accum}; {a.steps} steps, lr {a.lr} (warmup "
          f"{warmup}, cosine)\n"
-         f"  data: {corpus.name}, {corpus.length:,} tokens = {corpus.sequences(step.seq_len):,} sequences; packing "
-         f"{step.packing}" + (f"; held out: {inputs.heldout.length:,} tokens, evaluated every {a.eval_every} steps"
+         f"  data: {corpus.name}, {corpus.length:,} tokens = {corpus.sequences(step.seq_len):,} sequences"
+         + _whole_line(corpus, step.seq_len) + f"; packing {step.packing}" + (f"; held out: {inputs.heldout.length:,} tokens, evaluated every {a.eval_every} steps"
                               if inputs.heldout is not None and a.eval_every else "") + "\n"
          + (f"  RoPE: {rope}, {spec.config.max_position_embeddings:,} positions\n"
             if step.rope_scaling or step.rope_theta else "")
