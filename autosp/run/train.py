@@ -39,7 +39,7 @@ def _whole_line(corpus, seq_len: int) -> str:
     if not corpus.whole_documents:
         return ""
     from autosp.run.data import bins
-    first, _, cut = bins(corpus, seq_len)
+    _, _, cut = bins(corpus, seq_len)
     n = len(corpus.documents)
     return (f" of whole conversations ({n:,}, padded to {seq_len:,} tokens"
             + (f"; {cut:,} longer than that, each its last {seq_len:,} tokens" if cut else "") + ")")
