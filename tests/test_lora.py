@@ -238,7 +238,9 @@ def test_lora_least_peak_is_no_higher_than_full_fine_tuning():
     hold. LoRA's down projection joins its MLP tiles' A h into one [s, r] value; per-layer checkpointing recomputed
     it, and with it every tile's hidden before the first tile's backward: 12.70 MiB against 10.78 (9.54 now), so
     LoRA trained shorter than full fine-tuning. The least-peak search now also tries its best seed keeping the narrow
-    joins of tiles the backward reads (remat/cuts.with_narrow)."""
+    joins of tiles the backward reads (remat/cuts.with_narrow), up to a quarter of a layer's input: r 16's joins are
+    an eighth of tiny's hidden, above the sixteenth it first allowed (4,864 tokens at 32 MiB against full fine-tuning's
+    6,016; 6,656 now)."""
     import argparse
 
     from autosp.remat import plan_step
@@ -247,14 +249,14 @@ def test_lora_least_peak_is_no_higher_than_full_fine_tuning():
     from autosp.run.meshes import fake_world
     from autosp.run.models import spec_of
     peaks = {}
-    for extra in ([], ["--lora-r", "4"]):
+    for extra in ([], ["--lora-r", "4"], ["--lora-r", "16"]):
         p = argparse.ArgumentParser()
         add_step_flags(p, "plan")
         step = step_of(p.parse_args(["--model", "tiny", "--sp", "2", "--seq-len", "2048"] + extra), "plan")
         with fake_world(step.world), _as_ranks_run(step):
             local = _tracer(step, spec_of(step)).trace(2048, single=False).local
             plan = plan_step(local, "least", refine=False, plan_only=True)[0]
-        peaks[bool(extra)] = plan.peak_bytes
+        peaks[" ".join(extra)] = plan.peak_bytes
         if extra:
-            assert "narrow joins" in plan.method, plan.method
-    assert peaks[True] <= peaks[False], peaks
+            assert "narrow joins" in plan.method, (extra, plan.method)
+    assert max(peaks["--lora-r 4"], peaks["--lora-r 16"]) <= peaks[""], peaks

@@ -152,7 +152,7 @@ def checkpoint_plans(problem: IlpProblem, needs: Needs, acts: set[str],
 def with_narrow(problem: IlpProblem, needs: Needs, acts: set[str], joins: set[str], x: np.ndarray,
                 host: float | None = None) -> np.ndarray | None:
     """Per-layer checkpointing `x` (checkpoint_plan's) that also keeps the narrow joins the backward reads: values
-    `joins` names (a cat of a tiled chain's pieces) of at most a sixteenth of the larger unit (LoRA's A h beside a
+    `joins` names (a cat of a tiled chain's pieces) of at most a quarter of the larger unit (LoRA's A h beside a
     tiled MLP's down projection). None where there are none to keep. Recomputing such a join recomputes every
     tile's hidden at once, held to each tile's own backward: LoRA's least peak at tiny, 4,096 tokens, sp 2, was
     24.4 MiB against full fine-tuning's 18.7."""
@@ -162,7 +162,7 @@ def with_narrow(problem: IlpProblem, needs: Needs, acts: set[str], joins: set[st
         return None
     kept = {i for i in range(nV) if x[nK + i] > 0.5 or x[nK + nV + i] > 0.5}
     narrow = {i for i, v in enumerate(needs.values) if v in joins and v in acts and v in needs.first_direct
-              and problem.value_bytes[i] <= max(unit) / 16} - kept
+              and problem.value_bytes[i] <= max(unit) / 4} - kept
     if not narrow:
         return None
     y = checkpoint_plan(problem, needs, kept | narrow, host)
