@@ -819,6 +819,16 @@ def test_a_plan_traces_without_source_lines_but_its_errors_name_the_line():
             tracer.trace(256)
 
 
+class _Length:
+    """The plan check's step, as its verdicts (stubbed) read it: a length, and the same step at another."""
+
+    def __init__(self, n):
+        self.seq_len = n
+
+    def with_length(self, n):
+        return _Length(n)
+
+
 @pytest.mark.parametrize("excess", [False, True], ids=["fits-only", "bytes"])
 @pytest.mark.parametrize("reach", [17344, 17408, 20000, 64 * 40, 17000, 64, 10, 69_504])
 def test_the_plan_check_finds_trains_length_in_few_plans(reach, excess, monkeypatch):
@@ -833,13 +843,6 @@ def test_the_plan_check_finds_trains_length_in_few_plans(reach, excess, monkeypa
     from autosp.run import answer
     asked = []
 
-    class Step:
-        def __init__(self, n):
-            self.seq_len = n
-
-        def with_length(self, n):
-            return Step(n)
-
     def at_length(step, **_):
         n = step.seq_len
         asked.append(n)
@@ -850,7 +853,7 @@ def test_the_plan_check_finds_trains_length_in_few_plans(reach, excess, monkeypa
         return SimpleNamespace(fits=least <= budget, verdict=least <= budget, least=least, budget=budget)
 
     monkeypatch.setattr(answer, "at_length", at_length)
-    length, note, _ = answer._checked(Step(17344), 64, parallel=False)
+    length, note, _ = answer._checked(_Length(17344), 64, parallel=False)
     if reach < 64:
         assert "fits no multiple of 64" in note and length == 17344
     else:
@@ -885,15 +888,8 @@ def test_the_plan_check_aims_at_where_the_host_fills(edge, monkeypatch):
         return SimpleNamespace(fits=least <= budget, verdict=least <= budget, least=int(least), budget=budget,
                                least_plan=(plan, None), host_cap=cap)
 
-    class Step:
-        def __init__(self, n):
-            self.seq_len = n
-
-        def with_length(self, n):
-            return Step(n)
-
     monkeypatch.setattr(answer, "at_length", at_length)
-    length, note, _ = answer._checked(Step(16_267_264), granule, parallel=False)
+    length, note, _ = answer._checked(_Length(16_267_264), granule, parallel=False)
     assert length == edge and (edge + granule) in asked and f"{edge:,} tokens fit" in note
     assert len(asked) <= 4, asked
 
@@ -909,13 +905,6 @@ def test_a_verdict_made_in_the_other_process_comes_back_with_its_plans_split(mon
     reach, granule = 1_000 * 64 + 64, 64            # the first pair's second length is the answer
     made = []
 
-    class Step:
-        def __init__(self, n):
-            self.seq_len = n
-
-        def with_length(self, n):
-            return Step(n)
-
     def at_length(step, **_):
         n = step.seq_len
         made.append((os.getpid(), n))
@@ -928,7 +917,7 @@ def test_a_verdict_made_in_the_other_process_comes_back_with_its_plans_split(mon
     monkeypatch.setattr(answer, "at_length", at_length)
     monkeypatch.setattr(answer, "_split", lambda fit: setattr(fit, "least_split", (1.5, (2, 3), 4)) or
                         fit.least_split)
-    length, _, fit = answer._checked(Step(1_000 * 64), granule, parallel=True)
+    length, _, fit = answer._checked(_Length(1_000 * 64), granule, parallel=True)
     assert length == reach
     assert fit is not None and fit.least_split == (1.5, (2, 3), 4) and fit.least_plan[1] is None
     assert fit.least_plan[0].peak_bytes == 1_000 * reach
