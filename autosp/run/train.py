@@ -36,7 +36,7 @@ from autosp.run.token_mean import accumulated_step, token_mean_loss, with_diviso
 
 def _whole_line(corpus, seq_len: int) -> str:
     """Chat data: that each sequence holds whole conversations, and how many were longer than one."""
-    if not corpus.whole_documents:
+    if not getattr(corpus, "whole_documents", False):       # text, chat data; DPO's pairs are whole already
         return ""
     from autosp.run.data import bins
     _, _, cut = bins(corpus, seq_len)
