@@ -162,7 +162,7 @@ def _whole_conversations(corpus, seq_len: int) -> None:
         seen = []
         for r in range(n):
             at, row = 0, []
-            while at < seq_len and pos is not None and (at == 0 or pos[r, at] == 0) and at < seq_len:
+            while at < seq_len and pos is not None and (at == 0 or pos[r, at] == 0):
                 k = next((i for i, (t, _) in enumerate(docs) if i not in seen and len(t) <= seq_len - at
                           and np.array_equal(ids[r, at:at + len(t)], t)), None)
                 if k is None:

@@ -183,7 +183,6 @@ def bins(corpus: Corpus, seq_len: int) -> tuple[np.ndarray, np.ndarray, int]:
     at long context is long documents, then a question, with the loss on the answer, which keeping the start would
     drop whole; a preference pair loses the start of its prompt alike, pairs.py). Cutting the stream at fixed
     strides instead trained the answers of every conversation that crossed a sequence's end without its start."""
-    import bisect as _bisect
     key = (corpus.name, corpus.offset, corpus.length, len(corpus.documents), seq_len)
     hit = _BINS.get(key)
     if hit is None:
@@ -196,7 +195,7 @@ def bins(corpus: Corpus, seq_len: int) -> tuple[np.ndarray, np.ndarray, int]:
         content: list[list[int]] = []
         for d in order.tolist():
             n = int(sizes[d])
-            at = _bisect.bisect_left(caps, n)
+            at = bisect.bisect_left(caps, n)
             if at < len(caps):                      # the fullest sequence it fits in
                 c = caps[at]
                 k = room[c].pop()
@@ -210,7 +209,7 @@ def bins(corpus: Corpus, seq_len: int) -> tuple[np.ndarray, np.ndarray, int]:
             left = c - n
             if left > 0:
                 if left not in room:
-                    _bisect.insort(caps, left)
+                    bisect.insort(caps, left)
                     room[left] = []
                 room[left].append(k)
         offsets = np.zeros(len(content) + 1, dtype=np.int64)
@@ -225,8 +224,8 @@ def bins(corpus: Corpus, seq_len: int) -> tuple[np.ndarray, np.ndarray, int]:
 def _binned(corpus: Corpus, rows: list[int], seq_len: int, packing: str):
     """(ids, labels, positions or None) of chat data's sequences `rows` (bins): each conversation whole (or its
     last seq_len tokens), the labels its answer tokens' (every other token's -100; all its tokens' with --loss-on
-    all; the first of each conversation -100 with packed documents), then padding to seq_len (the EOS, label -100; with packed documents a document of
-    its own, positions from 0)."""
+    all; the first of each conversation -100 with packed documents), then padding to seq_len (the EOS, label -100;
+    with packed documents a document of its own, positions from 0)."""
     offsets, members, _ = bins(corpus, seq_len)
     starts = np.append(np.asarray(corpus.documents, dtype=np.int64), corpus.length)
     ids = np.full((len(rows), seq_len), corpus.eos if corpus.eos is not None else 0, dtype=np.int64)

@@ -33,16 +33,16 @@ from autosp.run.optim import make_optimizer, make_schedule, state_bytes
 from autosp.run.token_mean import accumulated_step, token_mean_loss, with_divisor
 
 
-
 def _whole_line(corpus, seq_len: int) -> str:
     """Chat data: that each sequence holds whole conversations, and how many were longer than one."""
-    if not getattr(corpus, "whole_documents", False):       # text, chat data; DPO's pairs are whole already
+    if not getattr(corpus, "whole_documents", False):       # text; DPO's pairs (PairData) are whole already
         return ""
     from autosp.run.data import bins
     _, _, cut = bins(corpus, seq_len)
     n = len(corpus.documents)
     return (f" of whole conversations ({n:,}, padded to {seq_len:,} tokens"
             + (f"; {cut:,} longer than that, each its last {seq_len:,} tokens" if cut else "") + ")")
+
 
 def _say(*a):
     if dist.get_rank() == 0:
@@ -335,8 +335,9 @@ def _train(a, world: int, dev: torch.device, value_and_grad) -> None:
          f"global batch {step.global_batch} x {step.seq_len} tokens{accum}; {a.steps} steps, lr {a.lr} (warmup "
          f"{warmup}, cosine)\n"
          f"  data: {corpus.name}, {corpus.length:,} tokens = {corpus.sequences(step.seq_len):,} sequences"
-         + _whole_line(corpus, step.seq_len) + f"; packing {step.packing}" + (f"; held out: {inputs.heldout.length:,} tokens, evaluated every {a.eval_every} steps"
-                              if inputs.heldout is not None and a.eval_every else "") + "\n"
+         + _whole_line(corpus, step.seq_len) + f"; packing {step.packing}"
+         + (f"; held out: {inputs.heldout.length:,} tokens, evaluated every {a.eval_every} steps"
+            if inputs.heldout is not None and a.eval_every else "") + "\n"
          + (f"  RoPE: {rope}, {spec.config.max_position_embeddings:,} positions\n"
             if step.rope_scaling or step.rope_theta else "")
          + (f"  DPO: {step.global_batch} pairs per step = {2 * step.global_batch} sequences; {ref_line}\n" if dpo else "")
