@@ -208,12 +208,16 @@ def assets(tmp_path_factory) -> dict:
 
 
 def _off(got: list[float], want: list[float]) -> float:
-    """The largest relative difference of the losses and gradient norms; a DPO run's metrics follow (rewards are
-    differences of log-probabilities, some 0 at the first step): against the log-probabilities' scale."""
+    """The largest relative difference of the losses and gradient norms; a DPO run's metrics follow, against the
+    scale of what they are computed from: the log-probabilities' for those, beta (0.1, DPOConfig's default) times
+    it for the rewards, their accuracy and margins (differences of log-probabilities, 0 at the first step)."""
     assert len(got) == len(want) and len(want) in (2 * STEPS, (2 + len(_REWARDS)) * STEPS), (got, want)
-    scale = max(abs(x) for x in want[2 * STEPS:]) if len(want) > 2 * STEPS else 0.0
+    metrics = want[2 * STEPS:]
+    logps = max((abs(x) for i, x in enumerate(metrics) if _REWARDS[i % len(_REWARDS)].startswith("logps")),
+                default=0.0)
+    scales = [logps * (1.0 if _REWARDS[i % len(_REWARDS)].startswith("logps") else 0.1) for i in range(len(metrics))]
     return max([abs(a - b) / abs(b) for a, b in zip(got[:2 * STEPS], want)]
-               + [abs(a - b) / scale for a, b in zip(got[2 * STEPS:], want[2 * STEPS:])])
+               + [abs(a - b) / c for a, b, c in zip(got[2 * STEPS:], metrics, scales)])
 
 
 def _params_off(got: list[dict], want: list[dict]) -> float:
