@@ -23,7 +23,7 @@ from autosp.params import fsdp_hooks_off, is_dtensor, keep_policy, local_input, 
 from autosp.passes.functionalize import functionalize
 from autosp.passes.shard import shard_graph
 from autosp.passes.shard_ctx import MeshInfo
-from autosp.trace import trace
+from autosp.trace import autocast_state, no_autocast, trace
 
 _AXES = ("dp", "sp")
 
@@ -157,7 +157,7 @@ class Sharded:
 
     def compile(self, *args):
         leaves, spec = pytree.tree_flatten(args)
-        key = (spec, self._signature(leaves))
+        key = (spec, self._signature(leaves), autocast_state())
         hit = self._cache.get(key)
         if hit is None:
             self._check_args(args)
@@ -200,7 +200,8 @@ class Sharded:
         leaves, _ = pytree.tree_flatten(args)
         leaves = [local_input(x, ps) if is_dtensor(x) else x for x, ps in zip(leaves, shards)]
         static = {i for i, _ in local.static_args}
-        outs = module(*[x for i, x in enumerate(leaves) if i not in static])
+        with no_autocast():                 # the program holds autocast's casts (trace.explicit_autocast)
+            outs = module(*[x for i, x in enumerate(leaves) if i not in static])
         return pytree.tree_unflatten(list(outs), local.out_spec)
 
 

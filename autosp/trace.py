@@ -87,6 +87,7 @@ def trace(fn, *args) -> Graph:
 
     real = [leaves[i] for i in tensor_pos]
     gm = _make_fx(fn, flat_fn, real, pre_dispatch=True)
+    explicit_autocast(gm, ambient=bool(autocast_state()))
     if _leaked_constants(gm):
         # make_fx(pre_dispatch=True) over torch.func transforms leaks the backward's saved
         # tensors as constants; the post-dispatch trace keeps them in the graph (linear -> mm).
@@ -120,6 +121,121 @@ def _make_fx(fn, flat_fn, real, *, pre_dispatch: bool) -> torch.fx.GraphModule:
         raise
     except Exception as exc:  # noqa: BLE001 - any tracing failure becomes one clear error
         raise _trace_failure(fn, exc) from None
+
+
+# ---------------------------------------------------------------- autocast, made explicit
+
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "hpu", "mps")
+
+
+def autocast_state() -> tuple:
+    """The autocast regions the caller is in: ((device type, dtype), ...); () outside any. A program traced inside
+    one is another program (autosp keys its cache by this)."""
+    out = []
+    for dev in _AUTOCAST_DEVICES:
+        try:
+            if torch.is_autocast_enabled(dev):
+                out.append((dev, torch.get_autocast_dtype(dev)))
+        except (RuntimeError, TypeError):   # a device type this build's autocast does not know
+            continue
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def no_autocast():
+    """Run a traced program as it was traced: its casts are explicit (explicit_autocast), and autocast applied
+    again at run time would cast what the user's code kept in fp32 (a region with enabled=False)."""
+    with torch._C._DisableAutocast():
+        yield
+
+
+def explicit_autocast(gm: torch.fx.GraphModule, ambient: bool = False) -> None:
+    """The autocast regions of a pre-dispatch trace, as the casts autocast made (in place).
+
+    make_fx(pre_dispatch=True) records `with torch.autocast(...)` as _enter_autocast / _exit_autocast and each op
+    inside with its inputs' own dtypes (`linear` of fp32 tensors), while the values it recorded are what autocast
+    made below the tracer (a bf16 result). A program that ran those ops as recorded would compute in fp32 and differ
+    from its own metadata, and autosp's backward, made from the forward program, would not see the casts. Each op
+    inside a region (`ambient`: the trace ran inside one, so the whole program) is run again on its fake inputs in
+    the same autocast state, and the casts autocast makes of those inputs are written before the op, as `to` the
+    dtype it gave each. The region markers go. Nothing here names autocast's op lists: torch decides, per device,
+    op and nesting (a region with enabled=False inside another, as RoPE's fp32 frequencies are computed)."""
+    stack = []
+    markers = []
+    for node in list(gm.graph.nodes):
+        name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+        if name in ("_enter_autocast", "_exit_autocast") and "autocast" in getattr(node.target, "__module__", ""):
+            if name == "_enter_autocast":
+                stack.append(node.args)
+            else:
+                stack.pop()
+            markers.append(node)
+            continue
+        if (ambient or stack) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            _cast_inputs(gm, node, stack)
+    for node in reversed(markers):
+        gm.graph.erase_node(node)
+    if markers:
+        gm.recompile()
+
+
+def _autocast_contexts(regions) -> contextlib.ExitStack:
+    """The autocast state the trace ran an op in (the caller's, then the regions', innermost last), each without
+    autocast's cast cache, so that every cast is made again where it can be seen."""
+    stack = contextlib.ExitStack()
+    for dev, dtype in autocast_state():
+        stack.enter_context(torch.autocast(dev, dtype=dtype, cache_enabled=False))
+    for args in regions:
+        dev, dtype, enabled = (list(args) + [None, None, True])[:3]
+        stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=bool(enabled), cache_enabled=False))
+    return stack
+
+
+class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
+    """The casts an op's autocast kernel makes of the op's own inputs: {id(input): dtype}."""
+
+    def __init__(self, inputs):
+        super().__init__()
+        self.inputs, self.casts = {id(t): t for t in inputs}, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype) and args and id(args[0]) in self.inputs:
+            dtype = kwargs.get("dtype", args[1] if len(args) > 1 else None)
+            if isinstance(dtype, torch.dtype) and dtype != args[0].dtype:
+                self.casts.setdefault(id(args[0]), dtype)
+        return func(*args, **kwargs)
+
+
+def _cast_inputs(gm: torch.fx.GraphModule, node: torch.fx.Node, regions) -> None:
+    vals = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a     # noqa: E731
+    args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), vals)
+    leaves = pytree.tree_leaves((args, kwargs))
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    if not tensors or any(isinstance(x, torch.fx.Node) for x in leaves):
+        return                                     # no floating input, or one without a recorded value
+    seen = _Casts(tensors)
+    try:
+        with _autocast_contexts(regions), seen:
+            node.target(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the op ran in the trace: a failure here is autosp's to explain
+        raise TraceError(f"autosp.trace: `{node.target}` at {user_frame(node.meta.get('stack_trace')) or '<unknown>'}"
+                         f" inside torch.autocast could not be run again to see autocast's casts ({exc}). Fix: "
+                         "run that op in an autocast(enabled=False) block, its inputs cast by hand.") from None
+    if not seen.casts:
+        return
+
+    def cast(a):
+        v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+        dtype = seen.casts.get(id(v)) if isinstance(v, torch.Tensor) else None
+        if dtype is None:
+            return a
+        with gm.graph.inserting_before(node):
+            c = gm.graph.call_function(torch.ops.aten.to.dtype, (a, dtype))
+        c.meta.update(stack_trace=node.meta.get("stack_trace"), val=v.to(dtype))
+        return c
+
+    node.args, node.kwargs = torch.fx.node.map_arg((node.args, node.kwargs), cast)
 
 
 def _leaked_constants(gm: torch.fx.GraphModule) -> bool:

@@ -74,15 +74,15 @@ def _losses(trainer) -> list[float]:
     return [x for h in trainer.state.log_history if "loss" in h for x in (h["loss"], h["grad_norm"])]
 
 
-def _trainer_run(cls, out: str, batch: int, **kw):
+def _trainer_run(cls, out: str, batch: int, bf16: bool = False, **kw):
     """3 steps of a tiny Llama (hidden 32, 2 layers) in 2 micro-batches each, clipped, by SGD: its update is linear
     in the gradient, so the parameters hold it to 1e-5 (AdamW's first update, lr g / (|g| + eps), turns the fp32
     rounding of entries near eps into changes of order lr; the example's run is AdamW's, held by its losses)."""
     from tests.models import tiny_llama
     torch.manual_seed(0)
     snaps = _Snapshots()
-    trainer = cls(model=tiny_llama(), args=_args(out, batch, optim="sgd", learning_rate=0.5), train_dataset=_rows(64),
-                  callbacks=[snaps], **kw)
+    trainer = cls(model=tiny_llama(), args=_args(out, batch, optim="sgd", learning_rate=0.5, bf16=bf16),
+                  train_dataset=_rows(64), callbacks=[snaps], **kw)
     trainer.train()
     return trainer, _losses(trainer), snaps.steps
 
@@ -167,6 +167,9 @@ def _ranks(rank, world, assets):
         (local, *_), = trainer.model_wrapped._step._cache.values()
         out["sp2 all_to_all"] = sum(e.op.name == "all_to_all" for e in local.eqns)
         _, out["dp2"], out["dp2 params"] = _trainer_run(AutospTrainer, d, 1, sp=1)
+        trainer_bf16, out["bf16 sp2"], _ = _trainer_run(AutospTrainer, d, 2, bf16=True, sp=2)
+        (local, *_), = trainer_bf16.model_wrapped._step._cache.values()
+        out["bf16 sp2 linears"] = {e.outputs[0].dtype for e in local.eqns if e.op.name == "linear"}
         out["sft sp2"] = _sft_run(AutospSFTTrainer, d, assets["model"], sp=2)
         out["dpo sp2"] = _dpo_run(AutospDPOTrainer, d, assets["model"], sp=2)
         # TRL's cache file of an in-memory dataset is in each process's own temporary folder: rank 1 failed to
@@ -229,6 +232,7 @@ def test_trainer_sft_and_dpo_at_sp2_and_dp2_equal_one_device_and_the_example_run
     from transformers import Trainer
     from trl import DPOTrainer, SFTTrainer
     _, want, want_params = _trainer_run(Trainer, str(tmp_path / "one"), 2)
+    _, want_bf16, _ = _trainer_run(Trainer, str(tmp_path / "bf16"), 2, bf16=True)
     want_sft = _sft_run(SFTTrainer, str(tmp_path / "sft"), assets["model"])
     want_dpo = _dpo_run(DPOTrainer, str(tmp_path / "dpo"), assets["model"])
     want_precomputed = _dpo_run(DPOTrainer, str(tmp_path / "dpo-pre"), assets["model"], precompute=True)
@@ -238,6 +242,12 @@ def test_trainer_sft_and_dpo_at_sp2_and_dp2_equal_one_device_and_the_example_run
         for key, ref in (("sp2", want), ("dp2", want), ("sft sp2", want_sft), ("dpo sp2", want_dpo),
                          ("dpo precomputed sp2", want_precomputed), ("example sp2", want_example)):
             assert _off(got[key], ref) <= RTOL, (rank, key, got[key], ref)
+        # bf16=True: the step autocast as accelerate's prepare would have (every linear in bf16); the first loss as
+        # one device's, the rest within bf16's rounding of the gradients (measured 4.4e-5; fp32's run is 8.5e-5
+        # from it, and its first loss 5.8e-6)
+        assert got["bf16 sp2 linears"] == {torch.bfloat16}, (rank, got["bf16 sp2 linears"])
+        assert abs(got["bf16 sp2"][0] - want_bf16[0]) <= 1e-6 * abs(want_bf16[0]), (rank, got["bf16 sp2"], want_bf16)
+        assert _off(got["bf16 sp2"], want_bf16) <= 1e-4, (rank, got["bf16 sp2"], want_bf16)
         for key in ("sp2 params", "dp2 params"):
             assert _params_off(got[key], want_params) <= RTOL, (rank, key)
         assert "the batch has no 'labels'" in got["no labels"] and "DataCollatorForLanguageModeling" in got["no labels"]
@@ -260,6 +270,8 @@ def test_bad_use_is_an_autosp_error_naming_the_fix(assets, tmp_path, monkeypatch
     for sp in (0, None):
         with pytest.raises(AutospError, match=rf"sp={sp}\): sp is the number of ranks .* an int >= 1. Fix: sp=2"):
             AutospTrainer(model=model, args=args, train_dataset=data, sp=sp)
+    with pytest.raises(AutospError, match=r"fp16=True scales the loss by accelerate's GradScaler.*Fix: bf16=True"):
+        AutospTrainer(model=model, args=_args(str(tmp_path), 2, fp16=True), train_dataset=data, sp=1)
     with pytest.raises(AutospError, match="label_smoothing_factor need the whole logits.*Fix: drop them"):
         AutospTrainer(model=model, args=_args(str(tmp_path), 2, label_smoothing_factor=0.1), train_dataset=data, sp=1)
 

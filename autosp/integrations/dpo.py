@@ -73,6 +73,7 @@ class AutospDPOMixin(AutospTrainerMixin):
             # frozen, as TRL runs it under no_grad: its parameters are inputs of the program that take no gradient
             # (else they would get one, and the Trainer's clipping would count it)
             ref.requires_grad_(False)
+            ref = self._autocast(ref)
         return DPOLoss(model, ref, self.beta)
 
     def _loss_batch(self, inputs: dict, num_items_in_batch) -> tuple[dict, int]:

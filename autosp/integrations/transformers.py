@@ -17,6 +17,8 @@ What changes against the Trainer it extends, each through an overridden hook (no
   rows, as `autosp train` shards them); `per_device_train_batch_size` is rows per dp group.
 - `compute_loss`: the loss each rank logs is the global one (the mean over the labelled tokens of every dp
   rank's batch with `average_tokens_across_devices`, the Trainer's default), the same on every rank.
+- `bf16=True`: the model's forward runs under bf16 autocast, where accelerate's prepare (skipped for the model
+  `_wrap_model` returns) would have put it; autosp writes autocast's casts into the step (trace.explicit_autocast).
 Gradient accumulation, clipping, the optimizer and scheduler, logging and saving are the Trainer's own.
 Evaluation runs the plain model on each rank's own rows (forward only, not sequence-parallel).
 TRL: AutospSFTTrainer (the model's loss, as SFTTrainer's default loss_type 'nll' is), AutospDPOTrainer
@@ -58,6 +60,19 @@ class _CausalLMLoss(torch.nn.Module):
                 "the model's own loss. Fix: a model that computes its loss from `labels` (a ...ForCausalLM), or a "
                 "collator that passes them.")
         return loss
+
+
+class _Autocast(torch.nn.Module):
+    """`model` under autocast, as accelerate's prepare wraps a model's forward for bf16=True. autosp traces the
+    region and writes autocast's casts into the program it shards (autosp.trace.explicit_autocast)."""
+
+    def __init__(self, model: torch.nn.Module, device_type: str, dtype: torch.dtype):
+        super().__init__()
+        self.model, self.device_type, self.dtype = model, device_type, dtype
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.model(*args, **kwargs)
 
 
 class AutospTrainerMixin:
@@ -114,12 +129,10 @@ class AutospTrainerMixin:
                 "its gradients itself, while autosp's gradients are already complete on every rank. Fix: drop "
                 f"the {which} arguments (autosp shards the activations; each rank keeps the whole model), or "
                 "shard the model state with `autosp train` instead.")
-        if args.fp16 or args.bf16:
+        if args.fp16:
             raise AutospError(
-                f"{name}(sp={self.sp}): fp16={args.fp16}, bf16={args.bf16} asks accelerate for autocast, which "
-                "does not reach the program autosp compiles. Fix: fp16=False, bf16=False (TRL's configs default to "
-                "bf16=True) and load the model in the dtype to compute in (from_pretrained(..., "
-                "dtype=torch.bfloat16)), or train in fp32.")
+                f"{name}(sp={self.sp}): fp16=True scales the loss by accelerate's GradScaler, which autosp's step "
+                "is not checked with. Fix: bf16=True (autocast to bfloat16, no scaler), or fp32.")
         self._check_loss()
         if self.compute_loss_func is not None or self.label_smoother is not None:
             raise AutospError(
@@ -150,7 +163,14 @@ class AutospTrainerMixin:
                 dist.broadcast(t.data, src=0)
         # not accelerate.prepare's DDP: autosp's gradients are complete on every rank already (the Trainer
         # skips prepare for a model _wrap_model changed)
-        return autosp.compile(self._loss_module(model), self.mesh, memory_budget=self.memory_budget)
+        return autosp.compile(self._loss_module(self._autocast(model)), self.mesh, memory_budget=self.memory_budget)
+
+    def _autocast(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model as the Trainer would run it: under bf16 autocast with bf16=True (accelerate's prepare, which
+        the trainer skips for the model _wrap_model returns, puts it there otherwise)."""
+        if not self.args.bf16:
+            return model
+        return _Autocast(model, self.args.device.type, torch.bfloat16)
 
     def _loss_module(self, model) -> torch.nn.Module:
         """The single-device code autosp shards: a module over `model` whose forward(**batch) is the loss."""

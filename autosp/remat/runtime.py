@@ -23,6 +23,7 @@ from autosp.ir.lower import lower
 from autosp.passes.autodiff import Joint, StepBoundary
 from autosp.remat import template
 from autosp.remat.apply import Program
+from autosp.trace import no_autocast
 
 
 class _BoxedCodeGen(fx.graph.CodeGen):
@@ -177,7 +178,8 @@ class _RematStep(torch.autograd.Function):
             args.append(g)
         del gouts
         primal_keys = {_key(t) for t in args[:run.n_primals] if isinstance(t, torch.Tensor)} if run.compiled else ()
-        grads = run.backward(args)
+        with no_autocast():           # a backward() called inside an autocast region: the program's casts are its own
+            grads = run.backward(args)
         copy_grad = run.copy_grad
         if run.compiled:              # what inductor's code returned: a primal's storage, or one shared by two outputs
             keys = [_key(g) if isinstance(g, torch.Tensor) else None for g in grads]
