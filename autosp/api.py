@@ -317,11 +317,17 @@ class ShardedModule(torch.nn.Module):
                  host_bandwidth=None, ring=None, host_memory=None, tiles=None, compile=False):  # noqa: A002
         super().__init__()
         self.module = module
-        self._step = shard(self._call, mesh, in_specs=in_specs, out_specs=out_specs, memory_budget=memory_budget,
-                           host_bandwidth=host_bandwidth, host_memory=host_memory, ring=ring, tiles=tiles,
-                           compile=compile)
-        # a module wrapped by torch's fully_shard: its parameters are read as DTensors, its hooks not run
-        self._step.trace_context = lambda: fsdp_hooks_off(module)
+        options = dict(in_specs=in_specs, out_specs=out_specs, memory_budget=memory_budget,
+                       host_bandwidth=host_bandwidth, host_memory=host_memory, ring=ring, tiles=tiles, compile=compile)
+        # one program per mode (dropout's differs), each traced on its mode's first call
+        self._steps = {mode: shard(self._call, mesh, **options) for mode in (True, False)}
+        for step in self._steps.values():
+            # a module wrapped by torch's fully_shard: its parameters are read as DTensors, its hooks not run
+            step.trace_context = lambda: fsdp_hooks_off(module)
+
+    @property
+    def _step(self):
+        return self._steps[self.module.training]
 
     def _call(self, params, args, kwargs):
         return torch.func.functional_call(self.module, params, args, kwargs)

@@ -4,10 +4,10 @@
     .venv/bin/python bench/trainer_meshes.py --mesh 2x2
 
 Each mesh runs, on every rank, tests/test_trainer.py's cases (3 steps of a tiny Llama at s = 45, a length neither
-mesh's sp divides, 2 micro-batches per step, clipped): AutospTrainer (its losses, gradient norms and the
-parameters after each step), AutospSFTTrainer, AutospDPOTrainer and examples/keep_your_trainer.py, against the
-same trainers on one device with dp x the per-device batch. Prints the worst relative error per case over the
-ranks (fp32: at most 1e-5) and the seconds the ranks took.
+mesh's sp divides, 2 micro-batches per step, clipped): AutospTrainer (its losses, gradient norms, the parameters
+after each step and the eval loss after training), AutospSFTTrainer, AutospDPOTrainer (with its eval loss and
+metrics) and examples/keep_your_trainer.py, against the same trainers on one device with dp x the per-device batch.
+Prints the worst relative error per case over the ranks (fp32: at most 1e-5) and the seconds the ranks took.
 """
 from __future__ import annotations
 
@@ -29,10 +29,11 @@ def _job(rank, world, sp, assets):
     from autosp.integrations.transformers import AutospDPOTrainer, AutospSFTTrainer, AutospTrainer
     batch = 2                                    # rows per dp group and micro-batch
     with tempfile.TemporaryDirectory() as d:
-        _, losses, params = T._trainer_run(AutospTrainer, d, batch, sp=sp)
-        return {"trainer": losses, "trainer params": params,
+        trainer, losses, params = T._trainer_run(AutospTrainer, d, batch, sp=sp)
+        dpo, dpo_eval = T._dpo_run(AutospDPOTrainer, d, assets["model"], batch, sp=sp)
+        return {"trainer": losses, "trainer params": params, "trainer eval": [T._evaluated(trainer)],
                 "sft": T._sft_run(AutospSFTTrainer, d, assets["model"], batch, sp=sp),
-                "dpo": T._dpo_run(AutospDPOTrainer, d, assets["model"], batch, sp=sp),
+                "dpo": dpo, "dpo eval": dpo_eval,
                 "example": T._example_run(assets, sp, d, batch)}
 
 
@@ -47,17 +48,21 @@ def main() -> None:
         for mesh in a.mesh or ["2x2", "1x4"]:
             dp, sp = (int(x) for x in mesh.split("x"))
             rows = 2 * dp                        # the one device takes every dp group's rows
-            _, want, want_params = T._trainer_run(Trainer, os.path.join(d, "one"), rows)
-            want = {"trainer": want, "sft": T._sft_run(SFTTrainer, os.path.join(d, "sft"), assets["model"], rows),
-                    "dpo": T._dpo_run(DPOTrainer, os.path.join(d, "dpo"), assets["model"], rows),
+            trainer, want, want_params = T._trainer_run(Trainer, os.path.join(d, "one"), rows)
+            dpo, dpo_eval = T._dpo_run(DPOTrainer, os.path.join(d, "dpo"), assets["model"], rows)
+            want = {"trainer": want, "trainer eval": [T._evaluated(trainer)],
+                    "sft": T._sft_run(SFTTrainer, os.path.join(d, "sft"), assets["model"], rows),
+                    "dpo": dpo, "dpo eval": dpo_eval,
                     "example": T._example_run(assets, 1, os.path.join(d, "ex"), rows)}
             t0 = time.perf_counter()
             got = run_ranks(_job, dp * sp, sp, assets, timeout=900)
             secs = time.perf_counter() - t0
             print(f"dp {dp} x sp {sp}, s = {T.S}: {secs:.0f} s for the ranks' four runs")
             for key in want:
-                off = max(T._off(r[key], want[key]) for r in got)
-                print(f"  {key:8s} losses and gradient norms: worst relative error {off:.1e}")
+                head = 1 if key.endswith("eval") else 2 * T.STEPS
+                off = max(T._off(r[key], want[key], head=head) for r in got)
+                what = "eval loss (and metrics)" if head == 1 else "losses and gradient norms"
+                print(f"  {key:12s} {what}: worst relative error {off:.1e}")
             off = max(T._params_off(r["trainer params"], want_params) for r in got)
             print(f"  trainer  parameters after each step: worst relative error {off:.1e}")
 

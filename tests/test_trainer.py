@@ -74,6 +74,12 @@ def _losses(trainer) -> list[float]:
     return [x for h in trainer.state.log_history if "loss" in h for x in (h["loss"], h["grad_norm"])]
 
 
+def _evaluated(trainer) -> float:
+    """The eval loss of the trained model on the first 8 rows (the same rows in the same eval batches as on one
+    device: per_device_eval_batch_size is rows per dp group, as for training)."""
+    return trainer.evaluate(eval_dataset=_rows(64)[:8])["eval_loss"]
+
+
 def _trainer_run(cls, out: str, batch: int, bf16: bool = False, **kw):
     """3 steps of a tiny Llama (hidden 32, 2 layers) in 2 micro-batches each, clipped, by SGD: its update is linear
     in the gradient, so the parameters hold it to 1e-5 (AdamW's first update, lr g / (|g| + eps), turns the fp32
@@ -81,7 +87,8 @@ def _trainer_run(cls, out: str, batch: int, bf16: bool = False, **kw):
     from tests.models import tiny_llama
     torch.manual_seed(0)
     snaps = _Snapshots()
-    trainer = cls(model=tiny_llama(), args=_args(out, batch, optim="sgd", learning_rate=0.5, bf16=bf16),
+    trainer = cls(model=tiny_llama(), args=_args(out, batch, optim="sgd", learning_rate=0.5, bf16=bf16,
+                                                 per_device_eval_batch_size=batch),
                   train_dataset=_rows(64), callbacks=[snaps], **kw)
     trainer.train()
     return trainer, _losses(trainer), snaps.steps
@@ -126,12 +133,14 @@ def _dpo_run(cls, out: str, folder: str, batch: int = 2, precompute: bool = Fals
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(folder)
     args = _args(out, batch, dpo=True, optim="sgd", learning_rate=0.5, bf16=False, pad_to_multiple_of=S,
-                 precompute_ref_log_probs=precompute)
+                 precompute_ref_log_probs=precompute, per_device_eval_batch_size=batch)
     trainer = cls(model=model, ref_model=None if precompute else copy.deepcopy(model),
-                  processing_class=_tokenizer(folder),
-                  train_dataset=_pairs(), args=args, **kw)
+                  processing_class=_tokenizer(folder), train_dataset=_pairs(),
+                  eval_dataset=_pairs().select(range(8)), args=args, **kw)
     trainer.train()
-    return _losses(trainer) + [h[k] for h in trainer.state.log_history if "loss" in h for k in _REWARDS]
+    evaluated = trainer.evaluate()
+    return (_losses(trainer) + [h[k] for h in trainer.state.log_history if "loss" in h for k in _REWARDS],
+            [evaluated["eval_loss"]] + [evaluated[f"eval_{k}"] for k in _REWARDS])
 
 
 def _example_run(assets: dict, sp: int, out: str, batch: int = 2) -> list[float]:
@@ -164,17 +173,21 @@ def _ranks(rank, world, assets):
     out = {}
     with tempfile.TemporaryDirectory() as d:
         trainer, out["sp2"], out["sp2 params"] = _trainer_run(AutospTrainer, d, 2, sp=2)
-        (local, *_), = trainer.model_wrapped._step._cache.values()
-        out["sp2 all_to_all"] = sum(e.op.name == "all_to_all" for e in local.eqns)
-        _, out["dp2"], out["dp2 params"] = _trainer_run(AutospTrainer, d, 1, sp=1)
+        out["sp2 eval"] = _evaluated(trainer)
+        (local, *_), = trainer.model_wrapped._steps[True]._cache.values()
+        (evaluated, *_), = trainer.model_wrapped._steps[False]._cache.values()
+        out["sp2 all_to_all"] = [sum(e.op.name == "all_to_all" for e in g.eqns) for g in (local, evaluated)]
+        trainer, out["dp2"], out["dp2 params"] = _trainer_run(AutospTrainer, d, 1, sp=1)
+        out["dp2 eval"] = _evaluated(trainer)
         trainer_bf16, out["bf16 sp2"], _ = _trainer_run(AutospTrainer, d, 2, bf16=True, sp=2)
-        (local, *_), = trainer_bf16.model_wrapped._step._cache.values()
+        (local, *_), = trainer_bf16.model_wrapped._steps[True]._cache.values()
         out["bf16 sp2 linears"] = {e.outputs[0].dtype for e in local.eqns if e.op.name == "linear"}
         out["sft sp2"] = _sft_run(AutospSFTTrainer, d, assets["model"], sp=2)
-        out["dpo sp2"] = _dpo_run(AutospDPOTrainer, d, assets["model"], sp=2)
+        out["dpo sp2"], out["dpo sp2 eval"] = _dpo_run(AutospDPOTrainer, d, assets["model"], sp=2)
         # TRL's cache file of an in-memory dataset is in each process's own temporary folder: rank 1 failed to
         # read rank 0's and rank 0 hung in the first collective
-        out["dpo precomputed sp2"] = _dpo_run(AutospDPOTrainer, d, assets["model"], sp=2, precompute=True)
+        out["dpo precomputed sp2"], out["dpo precomputed sp2 eval"] = _dpo_run(AutospDPOTrainer, d, assets["model"],
+                                                                               sp=2, precompute=True)
         out["example sp2"] = _example_run(assets, 2, d)
         for key, inputs in (("no labels", {"input_ids": torch.zeros(2, S, dtype=torch.long)}),):
             try:
@@ -210,17 +223,18 @@ def assets(tmp_path_factory) -> dict:
     return make_assets(str(tmp_path_factory.mktemp("trainer")))
 
 
-def _off(got: list[float], want: list[float]) -> float:
-    """The largest relative difference of the losses and gradient norms; a DPO run's metrics follow, against the
-    scale of what they are computed from: the log-probabilities' for those, beta (0.1, DPOConfig's default) times
-    it for the rewards, their accuracy and margins (differences of log-probabilities, 0 at the first step)."""
-    assert len(got) == len(want) and len(want) in (2 * STEPS, (2 + len(_REWARDS)) * STEPS), (got, want)
-    metrics = want[2 * STEPS:]
+def _off(got: list[float], want: list[float], head: int = 2 * STEPS) -> float:
+    """The largest relative difference of the losses and gradient norms (the first `head`: each step's two, or an
+    evaluation's loss); a DPO run's metrics follow, against the scale of what they are computed from: the
+    log-probabilities' for those, beta (0.1, DPOConfig's default) times it for the rewards, their accuracy and
+    margins (differences of log-probabilities, 0 at the first step)."""
+    assert len(got) == len(want) and len(want) in (head, head + len(_REWARDS) * max(1, head // 2)), (got, want)
+    metrics = want[head:]
     logps = max((abs(x) for i, x in enumerate(metrics) if _REWARDS[i % len(_REWARDS)].startswith("logps")),
                 default=0.0)
     scales = [logps * (1.0 if _REWARDS[i % len(_REWARDS)].startswith("logps") else 0.1) for i in range(len(metrics))]
-    return max([abs(a - b) / abs(b) for a, b in zip(got[:2 * STEPS], want)]
-               + [abs(a - b) / c for a, b, c in zip(got[2 * STEPS:], metrics, scales)])
+    return max([abs(a - b) / abs(b) for a, b in zip(got[:head], want)]
+               + [abs(a - b) / c for a, b, c in zip(got[head:], metrics, scales)])
 
 
 def _params_off(got: list[dict], want: list[dict]) -> float:
@@ -231,17 +245,25 @@ def _params_off(got: list[dict], want: list[dict]) -> float:
 def test_trainer_sft_and_dpo_at_sp2_and_dp2_equal_one_device_and_the_example_runs(assets, tmp_path):
     from transformers import Trainer
     from trl import DPOTrainer, SFTTrainer
-    _, want, want_params = _trainer_run(Trainer, str(tmp_path / "one"), 2)
+    trainer, want, want_params = _trainer_run(Trainer, str(tmp_path / "one"), 2)
+    want_eval = _evaluated(trainer)
     _, want_bf16, _ = _trainer_run(Trainer, str(tmp_path / "bf16"), 2, bf16=True)
     want_sft = _sft_run(SFTTrainer, str(tmp_path / "sft"), assets["model"])
-    want_dpo = _dpo_run(DPOTrainer, str(tmp_path / "dpo"), assets["model"])
-    want_precomputed = _dpo_run(DPOTrainer, str(tmp_path / "dpo-pre"), assets["model"], precompute=True)
+    want_dpo, want_dpo_eval = _dpo_run(DPOTrainer, str(tmp_path / "dpo"), assets["model"])
+    want_precomputed, want_precomputed_eval = _dpo_run(DPOTrainer, str(tmp_path / "dpo-pre"), assets["model"],
+                                                       precompute=True)
     want_example = _example_run(assets, 1, str(tmp_path / "example"))
     for rank, got in enumerate(run_ranks(_ranks, 2, assets)):
-        assert got["sp2 all_to_all"] > 0, "the step was not sequence-parallel"
+        assert min(got["sp2 all_to_all"]) > 0, ("the step or its evaluation was not sequence-parallel",
+                                                got["sp2 all_to_all"])
+        # the eval loss of the trained model, sequence-parallel (sp 2) and sharded over dp (dp 2), as one device's
+        for key in ("sp2 eval", "dp2 eval"):
+            assert abs(got[key] - want_eval) <= RTOL * abs(want_eval), (rank, key, got[key], want_eval)
         for key, ref in (("sp2", want), ("dp2", want), ("sft sp2", want_sft), ("dpo sp2", want_dpo),
                          ("dpo precomputed sp2", want_precomputed), ("example sp2", want_example)):
             assert _off(got[key], ref) <= RTOL, (rank, key, got[key], ref)
+        for key, ref in (("dpo sp2 eval", want_dpo_eval), ("dpo precomputed sp2 eval", want_precomputed_eval)):
+            assert _off(got[key], ref, head=1) <= RTOL, (rank, key, got[key], ref)
         # bf16=True: the step autocast as accelerate's prepare would have (every linear in bf16); the first loss as
         # one device's, the rest within bf16's rounding of the gradients (measured 4.4e-5; fp32's run is 8.5e-5
         # from it, and its first loss 5.8e-6)

@@ -80,14 +80,14 @@ class AutospDPOMixin(AutospTrainerMixin):
         # the loss is a mean over each dp rank's pairs, and autosp averages it over dp: the global mean
         return {k: inputs[k] for k in self._BATCH if k in inputs}, 1
 
-    def _logged(self, out):
+    def _logged(self, out, mode: str = "train"):
         """The loss, with TRL's per-pair metrics recorded as DPOTrainer records them (rewards, their accuracy and
         margin, the completions' log-probabilities; gathered over the world, whose sp ranks hold the same pairs,
         so each mean is the dp ranks' mean). Its per-token ones (entropy, mean logits, token accuracy) need the
         whole logits, which no rank holds under sp: not recorded."""
         loss, chosen, rejected, ref_chosen, ref_rejected = (x.detach() if i else x for i, x in enumerate(out))
         chosen_rewards, rejected_rewards = self.beta * (chosen - ref_chosen), self.beta * (rejected - ref_rejected)
-        gather, metrics = self.accelerator.gather, self._metrics["train"]
+        gather, metrics = self.accelerator.gather, self._metrics[mode]
         for key, value in (("rewards/chosen", chosen_rewards), ("rewards/rejected", rejected_rewards),
                            ("rewards/accuracies", (chosen_rewards > rejected_rewards).float()),
                            ("rewards/margins", chosen_rewards - rejected_rewards),

@@ -20,7 +20,9 @@ What changes against the Trainer it extends, each through an overridden hook (no
 - `bf16=True`: the model's forward runs under bf16 autocast, where accelerate's prepare (skipped for the model
   `_wrap_model` returns) would have put it; autosp writes autocast's casts into the step (trace.explicit_autocast).
 Gradient accumulation, clipping, the optimizer and scheduler, logging and saving are the Trainer's own.
-Evaluation runs the plain model on each rank's own rows (forward only, not sequence-parallel).
+- evaluation (`prediction_step`, `get_eval_dataloader`): the eval loss is sequence-parallel as training's is (the
+  step's own module in eval mode, no gradient; rows sharded over dp). With compute_metrics, which reads the whole
+  logits, the plain model runs on each rank's own rows instead.
 TRL: AutospSFTTrainer (the model's loss, as SFTTrainer's default loss_type 'nll' is), AutospDPOTrainer
 (autosp/integrations/dpo.py: TRL's sigmoid DPO loss over the policy and the reference model); made from TRL's
 classes on first use, so this module imports without TRL. `with_autosp(cls)` does the same for a subclass of
@@ -87,7 +89,7 @@ class AutospTrainerMixin:
         if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
             raise AutospError(f"{type(self).__name__}(sp={sp!r}): sp is the number of ranks each sequence is "
                               "split over, an int >= 1. Fix: sp=2 (and launch with torchrun --nproc-per-node 2).")
-        self.sp, self.memory_budget = sp, memory_budget
+        self.sp, self.memory_budget, self._eval_sharded = sp, memory_budget, None
         own = _own_loss(type(self), self._sharded_losses)
         if own is not None:                         # before its __init__ runs: nothing built for nothing
             raise AutospError(
@@ -191,8 +193,9 @@ class AutospTrainerMixin:
                 scale = self.dp     # autosp averages over dp the dp ranks' sums over the global count
         return batch, scale
 
-    def _logged(self, out):
-        """The loss from what _loss_module's forward returned (a subclass records metrics from the rest)."""
+    def _logged(self, out, mode: str = "train"):
+        """The loss from what _loss_module's forward returned (a subclass records metrics from the rest under
+        `mode`, 'train' or 'eval')."""
         return out
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
@@ -213,6 +216,43 @@ class AutospTrainerMixin:
             raise type(exc)(f"{name}(sp={self.sp}): autosp cannot compile the training step of "
                             f"{type(self.model).__name__} on {_shapes(batch)}:\n{exc}") from None
         return loss * scale if scale != 1 else loss
+
+    # ------------------------------------------------------------------ evaluation
+    def _sp_eval(self) -> bool:
+        """Whether evaluation is sequence-parallel: the loss only, as training computes it. compute_metrics reads
+        the whole logits, which no rank holds under sp: then the plain model runs on each rank's own rows."""
+        return self.mesh is not None and (self.compute_metrics is None or self.args.prediction_loss_only)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        loader = super().get_eval_dataloader(eval_dataset)
+        if self._sp_eval():
+            _shard_over_dp(loader, self.dp, self.dp_rank, type(self).__name__)
+        return loader
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The eval loss of the global batch, the dp groups' rows sharded over their sp ranks (no gradient): the
+        same on every rank, so the eval loop's gather and its trim of a padded last batch keep it as it is."""
+        if not (prediction_loss_only and self._sp_eval()):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        inputs = self._prepare_inputs(inputs)
+        count = self._get_num_items_in_batch([inputs], self.args.device)
+        if count is not None and self.args.average_tokens_across_devices and self.args.world_size > 1:
+            count = count / self.sp     # gathered over the world: each dp group's batch counted on its sp ranks
+        sharded = self._eval_module().eval()     # as the eval loop left the model (training_step sets it back)
+        batch, scale = self._loss_batch(inputs, count)
+        with torch.no_grad():
+            loss = self._logged(sharded(**batch), "eval")
+        return (loss * scale).detach(), None, None
+
+    def _eval_module(self):
+        """The step autosp compiled for training (the same module; in eval mode its own program), or, before any
+        training, one made as _wrap_model makes it."""
+        from autosp.api import ShardedModule
+        if isinstance(self.model_wrapped, ShardedModule):
+            return self.model_wrapped
+        if self._eval_sharded is None:
+            self._eval_sharded = self._wrap_model(self.model, training=True)
+        return self._eval_sharded
 
     # ------------------------------------------------------------------ the data
     def get_train_dataloader(self):
