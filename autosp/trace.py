@@ -160,8 +160,7 @@ def explicit_autocast(gm: torch.fx.GraphModule, ambient: bool = False) -> None:
     the same autocast state, and the casts autocast makes of those inputs are written before the op, as `to` the
     dtype it gave each. The region markers go. Nothing here names autocast's op lists: torch decides, per device,
     op and nesting (a region with enabled=False inside another, as RoPE's fp32 frequencies are computed)."""
-    stack = []
-    markers = []
+    stack, markers, changed = [], [], False
     for node in list(gm.graph.nodes):
         name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
         if name in ("_enter_autocast", "_exit_autocast") and "autocast" in getattr(node.target, "__module__", ""):
@@ -172,10 +171,10 @@ def explicit_autocast(gm: torch.fx.GraphModule, ambient: bool = False) -> None:
             markers.append(node)
             continue
         if (ambient or stack) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-            _cast_inputs(gm, node, stack)
+            changed |= _cast_inputs(gm, node, stack)
     for node in reversed(markers):
         gm.graph.erase_node(node)
-    if markers:
+    if markers or changed:
         gm.recompile()
 
 
@@ -207,13 +206,14 @@ class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _cast_inputs(gm: torch.fx.GraphModule, node: torch.fx.Node, regions) -> None:
+def _cast_inputs(gm: torch.fx.GraphModule, node: torch.fx.Node, regions) -> bool:
+    """Write the casts autocast makes of `node`'s inputs before it; whether there were any."""
     vals = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a     # noqa: E731
     args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), vals)
     leaves = pytree.tree_leaves((args, kwargs))
     tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()]
     if not tensors or any(isinstance(x, torch.fx.Node) for x in leaves):
-        return                                     # no floating input, or one without a recorded value
+        return False                               # no floating input, or one without a recorded value
     seen = _Casts(tensors)
     try:
         with _autocast_contexts(regions), seen:
@@ -223,7 +223,7 @@ def _cast_inputs(gm: torch.fx.GraphModule, node: torch.fx.Node, regions) -> None
                          f" inside torch.autocast could not be run again to see autocast's casts ({exc}). Fix: "
                          "run that op in an autocast(enabled=False) block, its inputs cast by hand.") from None
     if not seen.casts:
-        return
+        return False
 
     def cast(a):
         v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
@@ -236,6 +236,7 @@ def _cast_inputs(gm: torch.fx.GraphModule, node: torch.fx.Node, regions) -> None
         return c
 
     node.args, node.kwargs = torch.fx.node.map_arg((node.args, node.kwargs), cast)
+    return True
 
 
 def _leaked_constants(gm: torch.fx.GraphModule) -> bool:
