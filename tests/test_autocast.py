@@ -108,3 +108,24 @@ def test_autocast_shards_at_sp_2_and_4_and_dp2_by_sp2():
         worst = max(e for r in reports for c, errs in r.items() if "resolution" in c for e in errs.values())
         print(f"mesh {shape}: the worst gradient {worst * BF16 / 1e-5:.2e} of its largest entry")
         assert_every_rank(reports)          # the gradients' errors scaled so that 2^-6 reads as 1e-5
+
+
+def test_an_op_that_cannot_be_run_again_is_a_trace_error_naming_the_line(monkeypatch):
+    """Each op of a region is run again on its fake inputs to see autocast's casts; if that fails, the error names
+    the op, the line and the fix (a cast by hand), not torch's message alone."""
+    import sys
+
+    import pytest
+
+    from autosp.errors import TraceError
+    from tests.models import batch, params_of
+
+    def refuse(regions):
+        raise RuntimeError("no fake kernel here")
+    trace_mod = sys.modules["autosp.trace"]             # the package's `trace` attribute is the function
+    monkeypatch.setattr(trace_mod, "_autocast_contexts", refuse)
+    model = _model()
+    with pytest.raises(TraceError, match=r"autosp.trace: `aten\.\w+\.\w+` at .*\.py:\d+ .* inside torch.autocast could not "
+                                         r"be run again to see autocast's casts \(no fake kernel here\)\. Fix: run that "
+                                         r"op in an autocast\(enabled=False\) block"):
+        trace_mod.trace(_in_region(model), params_of(model), *batch(1, 16, 128))
