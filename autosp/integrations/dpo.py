@@ -83,8 +83,8 @@ class AutospDPOMixin(AutospTrainerMixin):
     def _logged(self, out, mode: str = "train"):
         """The loss, with TRL's per-pair metrics recorded as DPOTrainer records them (rewards, their accuracy and
         margin, the completions' log-probabilities; gathered over the world, whose sp ranks hold the same pairs,
-        so each mean is the dp ranks' mean). Its per-token ones (entropy, mean logits, token accuracy) need the
-        whole logits, which no rank holds under sp: not recorded."""
+        so each mean is the dp ranks' mean). Its per-token ones (entropy, mean logits, token accuracy), sums over
+        the sequence too, would each hold another [tokens, vocabulary] fp32 tensor in the step: not recorded."""
         loss, chosen, rejected, ref_chosen, ref_rejected = (x.detach() if i else x for i, x in enumerate(out))
         chosen_rewards, rejected_rewards = self.beta * (chosen - ref_chosen), self.beta * (rejected - ref_rejected)
         gather, metrics = self.accelerator.gather, self._metrics[mode]
