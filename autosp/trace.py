@@ -190,6 +190,15 @@ def _autocast_contexts(regions) -> contextlib.ExitStack:
     return stack
 
 
+def _enabled(regions) -> list[str]:
+    """The device types autocast is on for, in the caller's state and then the regions', innermost last."""
+    on = {dev: True for dev, _ in autocast_state()}
+    for args in regions:
+        dev, _, enabled = (list(args) + [None, None, True])[:3]
+        on[dev] = bool(enabled)
+    return [dev for dev, enabled in on.items() if enabled and dev != "meta"]
+
+
 class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
     """The casts an op's autocast kernel makes of the op's own inputs: {id(input): dtype}."""
 
@@ -214,6 +223,13 @@ def _cast_inputs(gm: torch.fx.GraphModule, node: torch.fx.Node, regions) -> bool
     tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()]
     if not tensors or any(isinstance(x, torch.fx.Node) for x in leaves):
         return False                               # no floating input, or one without a recorded value
+    if any(t.device.type == "meta" for t in tensors) and _enabled(regions):
+        raise TraceError(
+            f"autosp.trace: `{node.target}` at {user_frame(node.meta.get('stack_trace')) or '<unknown>'} runs inside "
+            f"torch.autocast ({', '.join(_enabled(regions))}) on meta tensors, which autocast does not cast: the "
+            "program, and a plan made from it, would compute in fp32. Fix: trace with tensors of the device autocast "
+            "names (fake ones: FakeTensorMode), or hold the weights in the compute dtype instead of autocasting "
+            "(`autosp plan --precision bf16`).")
     seen = _Casts(tensors)
     try:
         with _autocast_contexts(regions), seen:

@@ -129,3 +129,28 @@ def test_an_op_that_cannot_be_run_again_is_a_trace_error_naming_the_line(monkeyp
                                          r"be run again to see autocast's casts \(no fake kernel here\)\. Fix: run that "
                                          r"op in an autocast\(enabled=False\) block"):
         trace_mod.trace(_in_region(model), params_of(model), *batch(1, 16, 128))
+
+
+def test_autocast_over_meta_tensors_is_refused_naming_the_fix():
+    """Autocast casts no meta tensor: a program traced on the meta device inside a region (how a plan for a device
+    one does not have is made) would price fp32 compute. Refused, naming the fix; a region with enabled=False (as
+    transformers' RoPE opens one) is not."""
+    import pytest
+
+    from autosp.errors import TraceError
+    from autosp.trace import trace
+
+    def loss(w, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return torch.nn.functional.linear(x, w).float().sum()
+
+    def kept_fp32(w, x):
+        with torch.autocast("cpu", enabled=False):
+            return torch.nn.functional.linear(x, w).sum()
+
+    w, x = torch.randn(4, 3, device="meta"), torch.randn(2, 3, device="meta")
+    with pytest.raises(TraceError, match=r"`aten.linear.default` at .*test_autocast.py:\d+ .*runs inside torch.autocast "
+                                         r"\(cpu\) on meta tensors, which autocast does not cast.*Fix: trace with "
+                                         r"tensors of the device autocast names"):
+        trace(loss, w, x)
+    assert [e.op.name for e in trace(kept_fp32, w, x).eqns] == ["linear", "sum"]
