@@ -32,6 +32,7 @@ def main(argv=None, callbacks=None):
     p.add_argument("--batch", type=int, default=1, help="sequences per step and dp group")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast, as TrainingArguments(bf16=True)")
     a = p.parse_args(argv)
 
     tok = AutoTokenizer.from_pretrained(a.model)
@@ -45,6 +46,7 @@ def main(argv=None, callbacks=None):
     args = TrainingArguments(output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=a.batch,
                              gradient_accumulation_steps=a.grad_accum, learning_rate=a.lr, max_grad_norm=1.0,
                              logging_steps=1, save_strategy="no", report_to="none", seed=0, disable_tqdm=True,
+                             bf16=a.bf16,
                              use_cpu=not torch.cuda.is_available())    # on CPU, torchrun's ranks need it (gloo)
     trainer = AutospTrainer(model=model, args=args, train_dataset=train,      # autosp: the class
                             data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
