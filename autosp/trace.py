@@ -184,18 +184,22 @@ def _autocast_contexts(regions) -> contextlib.ExitStack:
     stack = contextlib.ExitStack()
     for dev, dtype in autocast_state():
         stack.enter_context(torch.autocast(dev, dtype=dtype, cache_enabled=False))
-    for args in regions:
-        dev, dtype, enabled = (list(args) + [None, None, True])[:3]
-        stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=bool(enabled), cache_enabled=False))
+    for dev, dtype, enabled in map(_region, regions):
+        stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled, cache_enabled=False))
     return stack
+
+
+def _region(args) -> tuple:
+    """(device type, dtype, enabled) of an _enter_autocast's arguments (torch.autocast's, in its order)."""
+    dev, dtype, enabled = (list(args) + [None, None, True])[:3]
+    return dev, dtype, bool(enabled)
 
 
 def _enabled(regions) -> list[str]:
     """The device types autocast is on for, in the caller's state and then the regions', innermost last."""
     on = {dev: True for dev, _ in autocast_state()}
-    for args in regions:
-        dev, _, enabled = (list(args) + [None, None, True])[:3]
-        on[dev] = bool(enabled)
+    for dev, _, enabled in map(_region, regions):
+        on[dev] = enabled
     return [dev for dev, enabled in on.items() if enabled and dev != "meta"]
 
 

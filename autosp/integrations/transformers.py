@@ -235,9 +235,7 @@ class AutospTrainerMixin:
         if not (prediction_loss_only and self._sp_eval()):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         inputs = self._prepare_inputs(inputs)
-        count = self._get_num_items_in_batch([inputs], self.args.device)
-        if count is not None and self.args.average_tokens_across_devices and self.args.world_size > 1:
-            count = count / self.sp     # gathered over the world: each dp group's batch counted on its sp ranks
+        count = self._per_group(self._get_num_items_in_batch([inputs], self.args.device))
         sharded = self._eval_module().eval()     # as the eval loop left the model (training_step sets it back)
         batch, scale = self._loss_batch(inputs, count)
         with torch.no_grad():
@@ -266,9 +264,14 @@ class AutospTrainerMixin:
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
+        return batches, self._per_group(count)
+
+    def _per_group(self, count):
+        """The Trainer's count of labelled tokens, gathered over the world with average_tokens_across_devices: each
+        dp group's batch is counted once on each of its sp ranks, so it is sp times the global count."""
         if count is not None and self.args.average_tokens_across_devices and self.args.world_size > 1:
-            count = count / self.sp     # gathered over the world: each dp group's batch counted on its sp ranks
-        return batches, count
+            return count / self.sp
+        return count
 
     def _track_num_input_tokens(self, inputs):
         before = self.state.num_input_tokens_seen
