@@ -156,7 +156,8 @@ def rank_errors(loss, grads, ref_loss, ref_grads, floor: float = 0.0) -> dict[st
     absolute). With floor 1e-3 a grad that is wrong by more than 1e-8 of the model's largest still fails."""
     ref = float(ref_loss)
     out = {"loss": abs(float(loss) - ref) / max(abs(ref), 1e-12)}
-    scale = max((float(g.abs().max()) for g in ref_grads.values() if g is not None and g.numel()), default=0.0)
+    scale = max((float(g.abs().max()) for g in ref_grads.values() if g is not None and g.numel()),
+                default=0.0) if floor else 0.0
     for k, g in ref_grads.items():
         if g is not None:
             den = g.abs().max().clamp_min(max(floor * scale, 1e-12))
