@@ -158,6 +158,10 @@ WIDER = {"llama": dict(hidden_size=64, intermediate_size=128), "qwen3_5": dict(h
          "mamba2": dict(hidden_size=64, head_dim=32)}
 
 
+# Llama 4's peak is its attention backward's block of scores, which no plan lowers: its least peak is the no-remat one
+BUDGET = {"llama4": 1.0}
+
+
 def _peak_job(rank, world, names, s, budget):
     import autosp
     from autosp.memory import peak_bytes
@@ -173,7 +177,7 @@ def _peak_job(rank, world, names, s, budget):
         live = {k: v.clone().requires_grad_(True) for k, v in params.items()}
         one, _ = peak_bytes(lambda: torch.autograd.grad(fn(live, ids, labels), list(live.values()),
                                                         allow_unused=True))
-        vg = autosp.value_and_grad(fn, mesh, memory_budget=budget)
+        vg = autosp.value_and_grad(fn, mesh, memory_budget=BUDGET.get(name, budget))
         vg(params, ids, labels)
         measured, _ = peak_bytes(lambda: vg(params, ids, labels))
         predicted = vg.sharded.plan(autosp.api._differentiable(params), ids, labels).peak_bytes
@@ -183,13 +187,14 @@ def _peak_job(rank, world, names, s, budget):
 
 def test_a_hybrids_peak_falls_with_sp_as_a_dense_models_and_is_planned():
     """Per rank at sp 2 against one device: the hybrids' step (recurrence regions, halo exchanges) shrinks as the
-    dense Llama's does, and the plan (budget 0.8) predicts each rank's measured peak as it does a dense model's
-    (within 512 B or 1e-4)."""
-    names = ["llama", "qwen3_5", "mamba2"]
+    dense Llama's does, and the plan (budget 0.8; Llama 4's 1.0) predicts each rank's measured peak as it does a dense model's
+    (within 512 B or 1e-4); Llama 4's too, whose chunked attention runs autosp's blockwise masked attention (its
+    512 x 512 block of scores was priced at 0 B: 2.97 MB predicted, 5.17 MB measured)."""
+    names = ["llama", "qwen3_5", "mamba2", "llama4"]
     reports = run_ranks(_peak_job, 2, names, 512, 0.8, timeout=1200)
     for rank, report in enumerate(reports):
         for name, (one, measured, predicted) in report.items():
             assert_peak(predicted, measured, atol=512, rtol=1e-4, what=f"{name} at sp 2, rank {rank}")
         dense = report["llama"][1] / report["llama"][0]
-        for name in names[1:]:
+        for name in ("qwen3_5", "mamba2"):
             assert report[name][1] / report[name][0] <= dense * 1.1, (rank, name, report)

@@ -294,11 +294,13 @@ _GPU_BACKWARDS = {getattr(aten, f"_scaled_dot_product_{kind}_attention_backward"
 
 def attention_backward_kernel(e: Eqn, device: str) -> str | None:
     """The kernel that runs attention backward `e` on `device` ('cpu', 'cuda', a GPU name) as the memory model prices
-    it: 'cpu_flash', 'cudnn', 'flash', 'efficient' or 'autosp' (autosp::sdpa_backward); None for an equation that
-    is no attention backward."""
+    it: 'cpu_flash', 'cudnn', 'flash', 'efficient', 'autosp' (autosp::sdpa_backward), 'masked blockwise' or 'masked
+    triton' (autosp::masked_attention_backward); None for an equation that is no attention backward."""
     from autosp.remat.cost import device_for
     if e.op.name == "sdpa_backward":
         return "autosp"
+    if e.op.name == "masked_attention_backward":
+        return "masked triton" if _masked_runs_triton(e, device) else "masked blockwise"
     if e.op.target in _GPU_BACKWARDS:
         return _GPU_BACKWARDS[e.op.target]
     if _CPU_FLASH_BWD is None or e.op.target is not _CPU_FLASH_BWD.default:
@@ -340,7 +342,89 @@ class _Inputs:
     inputs: tuple
 
 
-_BY_DEVICE = {"sdpa_backward": _autosp_sdpa_backward}
+def _masked_args(e: Eqn):
+    """(q, k, v, leaves, mask, valid_len, backend) of autosp::masked_attention or its backward."""
+    args = e.var_args()[0]
+    if e.op.name == "masked_attention":
+        q, k, v, leaves, mask, _, valid_len, backend = args[:8]
+    else:
+        _, q, k, v, _, _, leaves, mask, _, valid_len, backend = args[:11]
+    return q, k, v, [x for x in leaves if isinstance(x, Var)], mask, valid_len, backend
+
+
+def _masked_runs_triton(e: Eqn, device: str) -> bool:
+    """Whether masked attention `e` runs autosp's Triton kernels on `device` (kernels/masked.py's dispatch, from
+    shapes: a GPU, a mask the kernels recognise, fp16/bf16/fp32, head dim <= 256), not the blockwise torch path."""
+    from autosp.kernels.maskterms import leaf_kinds, why_not
+    from autosp.remat.cost import device_for
+    q, _, _, leaves, mask, _, backend = _masked_args(e)
+    if backend in ("torch", "triton"):
+        return backend == "triton"
+    return (device_for(device).kind != "cpu" and why_not(mask, leaf_kinds(leaves)) is None
+            and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.shape[-1] <= 256)
+
+
+def _masked_attention(e: Eqn, device: str) -> int:
+    """autosp::masked_attention and its backward where the blockwise torch path runs them (kernels/masked.py: the
+    CPU, or a GPU whose Triton kernels cannot take the mask or the dtype; the Triton kernels are not priced here).
+    Counted from what that path allocates: q as GQA rows scaled (K/V cast where not the compute dtype), the row
+    block's accumulator and row statistics, one block's scores [b*hkv, n*g, m] with the mask block and its negation;
+    where more than one block runs, the previous block's scores (and, backward, its dS) are still held while the next
+    are made. Backward: dO and O as rows, their row sums, the lse as rows, dQ/dK/dV accumulated as rows (the outputs
+    where the layouts agree), the row block's dQ and -delta, dS beside P, and one dK (dV) product. Exact where the
+    largest block's mask is partial (a bool mask along queries and keys); over where a mask skips it or lets it all
+    through (held in tests/test_masked.py)."""
+    from autosp.kernels.masked import _compute_dtype, block_sizes
+    from autosp.kernels.maskfn import parse
+    from autosp.kernels.maskterms import leaf_kinds
+    if _masked_runs_triton(e, device):
+        return 0
+    q, k, v, leaves, mask, valid_len, _ = _masked_args(e)
+    kinds = leaf_kinds(leaves)
+    b, hq, s, d = q.shape
+    hkv = k.shape[1]
+    if 0 in (b, hq, s, d) or valid_len <= 0:
+        return 0
+    g, ct = hq // hkv, _compute_dtype(q.dtype)
+    c = ct.itemsize
+    bq, bk = block_sizes()
+    n, m = min(bq, s), min(bk, valid_len)
+    several = -(-s // bq) * -(-valid_len // bk) > 1
+    scores = b * hkv * n * g * m * c                          # one block's scores (backward: P or dS)
+    row = b * hkv * n * g * c                                 # a row block's statistic (one per query row)
+    acc = row * d                                             # a row block's accumulator (forward: out; backward: dQ)
+    batch = max([x.shape[0] for x in leaves if len(x.shape) == 3 and x.shape[0] > 1] or [1])
+    if parse(mask).kind(kinds) == "bool":
+        blk, negated = batch * n * m, batch * n * m           # the mask block and ~mask in masked_fill_
+    else:
+        blk, negated = batch * n * m * 4, (batch * n * m * c if c != 4 else 0)
+    cast = 0 if k.dtype == ct else (k.numel() + v.numel()) * c
+    rows = q.numel() * c                                      # q * scale as GQA rows
+    if e.op.name == "masked_attention":
+        # the row form of out and lse are the outputs' bytes until the end, where a GQA group's are copied out
+        # while the last block's scores, mask and statistics are still held
+        own = (0 if (g == 1 and q.dtype == ct) else rows) + (0 if g == 1 else b * hq * s * c)
+        held = rows + cast + acc
+        if several:     # the previous block's scores, shift and alpha held (and one more statistic under a window)
+            during = 2 * scores + blk + negated + 5 * row
+        else:
+            during = scores + blk + negated + 2 * row
+        return int(held + max(during, own + scores + blk + 4 * row))
+    dout = 0 if (g == 1 and q.dtype == ct) else rows          # dO as rows
+    total = b * hq * s * c                                    # delta and the lse as rows, each [b*hkv, L*g]
+    own = 0 if (g == 1 and q.dtype == ct) else rows           # dQ copied out of its rows at the end
+    own += 0 if k.dtype == ct else (k.numel() + v.numel()) * c
+    held = rows + cast + dout + 2 * total + acc + row         # + the row block's dQ and -delta
+    kv_block = b * hkv * m * d * c                            # dS^T Q (P^T dO): dK's (dV's) block product
+    if several:                                               # P and dS of the previous block held as P is made
+        during = max(3 * scores + blk + negated, 2 * scores + blk + kv_block)
+    else:
+        during = max(scores + blk + negated, 2 * scores + blk + kv_block)
+    return int(held + max(during, own + 2 * scores + blk))
+
+
+_BY_DEVICE = {"sdpa_backward": _autosp_sdpa_backward, "masked_attention": _masked_attention,
+              "masked_attention_backward": _masked_attention}
 
 
 def workspace(e: Eqn, device: str = "cpu") -> int:
