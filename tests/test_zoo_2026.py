@@ -187,9 +187,9 @@ def _peak_job(rank, world, names, s, budget):
 
 def test_a_hybrids_peak_falls_with_sp_as_a_dense_models_and_is_planned():
     """Per rank at sp 2 against one device: the hybrids' step (recurrence regions, halo exchanges) shrinks as the
-    dense Llama's does, and the plan (budget 0.8; Llama 4's 1.0) predicts each rank's measured peak as it does a dense model's
-    (within 512 B or 1e-4); Llama 4's too, whose chunked attention runs autosp's blockwise masked attention (its
-    512 x 512 block of scores was priced at 0 B: 2.97 MB predicted, 5.17 MB measured)."""
+    dense Llama's does, and the plan (budget 0.8) predicts each rank's measured peak as it does a dense model's
+    (within 512 B or 1e-4); Llama 4's too (budget 1.0), whose chunked attention runs autosp's blockwise masked
+    attention (its 512 x 512 block of scores was priced at 0 B: 2.97 MB predicted, 5.17 MB measured)."""
     names = ["llama", "qwen3_5", "mamba2", "llama4"]
     reports = run_ranks(_peak_job, 2, names, 512, 0.8, timeout=1200)
     for rank, report in enumerate(reports):

@@ -353,15 +353,14 @@ def _masked_args(e: Eqn):
 
 
 def _masked_runs_triton(e: Eqn, device: str) -> bool:
-    """Whether masked attention `e` runs autosp's Triton kernels on `device` (kernels/masked.py's dispatch, from
-    shapes: a GPU, a mask the kernels recognise, fp16/bf16/fp32, head dim <= 256), not the blockwise torch path."""
-    from autosp.kernels.maskterms import leaf_kinds, why_not
+    """Whether masked attention `e` runs autosp's Triton kernels on `device`, not the blockwise torch path: a GPU, and
+    nothing kernels/masked.py's dispatch finds the kernels cannot take (the mask, the dtype, the head dim)."""
+    from autosp.kernels.masked import _kernel_problem
     from autosp.remat.cost import device_for
     q, _, _, leaves, mask, _, backend = _masked_args(e)
     if backend in ("torch", "triton"):
         return backend == "triton"
-    return (device_for(device).kind != "cpu" and why_not(mask, leaf_kinds(leaves)) is None
-            and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.shape[-1] <= 256)
+    return device_for(device).kind != "cpu" and _kernel_problem(q, leaves, mask) is None
 
 
 def _masked_attention(e: Eqn, device: str) -> int:
