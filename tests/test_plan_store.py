@@ -430,3 +430,23 @@ def test_an_answer_is_kept_with_its_verdict_unless_a_mip_was_cut_short(answers, 
     monkeypatch.setattr(answer, "at_length", lambda step: _both(Refused, cut_short)[0])
     other = step.with_length(8192)
     assert answer.answer(other).stored is None and answer.answer(other).stored is None      # planned each time
+
+
+def test_a_program_simulated_again_at_another_thread_count_prices_cpu_attention_at_it():
+    """The memory model reads each equation's outputs, aliases and scratch function once (liveness._static: the
+    planner simulates many programs made of the same equations), but not the scratch itself: ATen's CPU
+    attention's is per thread, and the ranks plan at their own thread count."""
+    from autosp.passes.schedule import schedule_program
+    from autosp.remat import plan_step, simulate_step
+    _, program, _, _ = plan_step(_local(), None)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = simulate_step(program).backward.during
+        torch.set_num_threads(3)
+        three = simulate_step(program).backward.during
+    finally:
+        torch.set_num_threads(threads)
+    wider = {schedule_program(program).backward.eqns[i].op.name for i, (a, b) in enumerate(zip(one, three)) if b != a}
+    assert wider == {"_scaled_dot_product_flash_attention_for_cpu_backward.default"}
+    assert all(b >= a for a, b in zip(one, three))

@@ -226,7 +226,7 @@ def place_collectives(graph: Graph) -> Graph:
     eqns = list(graph.eqns)
     if not any(e.op.name == "wait_collective" for e in eqns):
         return graph
-    reads = {id(e): frozenset(x.name for x in e.inputs) for e in eqns}
+    reads = {id(e): _reads(e) for e in eqns}
     n_readers: dict[str, int] = {}
     for e in eqns:
         for name in reads[id(e)]:
@@ -251,6 +251,7 @@ def place_collectives(graph: Graph) -> Graph:
     # waits, latest first: each block (wait and its results) goes right before the first equation reading a result;
     # a reduce-scatter's (whose result only the program's end reads) before the next layer's first start
     finals = {o.name for o in graph.outputs if isinstance(o, Var)}
+    starts = {x.outputs[-1].name: x for x in eqns if x.op.name in STARTS}     # a wait's landing buffer -> its start
     layer_of_grad = _grad_layers(graph)
     k, placed = len(eqns) - 1, set()
     while k >= 0:
@@ -261,7 +262,7 @@ def place_collectives(graph: Graph) -> Graph:
         placed.add(id(e))
         block = _result_eqns(eqns, k)
         made = {o.name for b in block for o in b.outputs} | reads[id(e)]
-        starter = _starter(eqns, k)
+        starter = starts.get(e.inputs[-1].name)
         rs = starter is not None and starter.op.name == "reduce_scatter_param_start"
         del eqns[k:k + len(block)]
         inside = {}
@@ -281,10 +282,17 @@ def place_collectives(graph: Graph) -> Graph:
     return graph.replace(eqns=tuple(eqns), name="place_collectives")
 
 
-def _starter(eqns: list, k: int):
-    landing = eqns[k].inputs[-1].name
-    return next((eqns[j] for j in range(k - 1, -1, -1)
-                 if eqns[j].op.name in STARTS and eqns[j].outputs[-1].name == landing), None)
+_READS: dict[int, tuple] = {}    # id(eqn) -> (eqn, its input names as a frozenset): the planner schedules many
+                                 # programs made of the same equations
+
+
+def _reads(e: Eqn) -> frozenset:
+    hit = _READS.get(id(e))
+    if hit is None or hit[0] is not e:
+        if len(_READS) > 400_000:
+            _READS.clear()
+        hit = _READS[id(e)] = (e, frozenset(x.name for x in e.inputs))
+    return hit[1]
 
 
 def _next_layer_start(eqns: list, k: int, layers: dict, grads: set) -> int:

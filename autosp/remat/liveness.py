@@ -492,20 +492,20 @@ def simulate(graph: Graph, counted=(), keep=(), base: int = 0, host=(), detail: 
     pinned = {o.name for o in graph.outputs if isinstance(o, Var)} | set(keep)
     last = last_uses(graph)
 
-    def hold(v: Var):
-        r = root[v.name]
+    def hold(name: str, r: str):
         owners[r] = owners.get(r, 0) + 1
-        live_vars.add(v.name)
+        live_vars.add(name)
 
     cur = base
     followed = {root[n] for n in track if n in root} if track is not None else set()
     cur_t = 0                                        # bytes of the followed storages live
     for v in graph.inputs:
         if v.name in counted:
-            if owners.get(root[v.name], 0) == 0:
-                cur += size[root[v.name]]
-                cur_t += size[root[v.name]] if root[v.name] in followed else 0
-            hold(v)
+            r = root[v.name]
+            if owners.get(r, 0) == 0:
+                cur += size[r]
+                cur_t += size[r] if r in followed else 0
+            hold(v.name, r)
     start = cur
     tracked = [cur_t] if track is not None else None
 
@@ -524,31 +524,60 @@ def simulate(graph: Graph, counted=(), keep=(), base: int = 0, host=(), detail: 
     after, during = [], []
     best, snapshot = -1, ()
     for i, e in enumerate(graph.eqns):
-        for v, a in zip(e.outputs, aliases(e)):
-            if v.dtype is None:
-                continue
-            r = root[v.name]
-            if a is None and v.name not in host:
-                size[r] = nbytes(v)
-                cur += size[r]
-                cur_t += size[r] if r in followed else 0
-            if r in size or a is None:
-                hold(v)
-        during.append(cur + workspace(e, device))
+        _, made, outs, ins, scratch = _static(e, device)
+        for name, new, nb in made:
+            r = root[name]
+            if new and name not in host:
+                size[r] = nb
+                cur += nb
+                cur_t += nb if r in followed else 0
+            if new or r in size:
+                hold(name, r)
+        during.append(cur + (scratch(e) if scratch is not None else 0))
         if tracked is not None:
             tracked.append(cur_t)
         if detail and during[-1] > best:
             best = during[-1]
             snapshot = tuple(sorted(size.items(), key=lambda kv: -kv[1]))
-        for x in {x.name for x in e.inputs}:
+        for x in ins:
             if last.get(x) == i:
                 release(x)
-        for v in e.outputs:
+        for name in outs:
             # never read again (a recomputed op's other outputs, read before, if at all): freed at once, as
             # the lowered program drops a value after its last reader
-            if last.get(v.name, -1) <= i:
-                release(v.name)
+            if last.get(name, -1) <= i:
+                release(name)
         after.append(cur)
     if tracked is not None:
         tracked.append(cur_t)
     return Timeline(start, tuple(after), tuple(during), cur, snapshot, tuple(tracked or ()))
+
+
+def _scratch_of(e: Eqn, device: str):
+    """workspace(e, device) as a function of the equation (None: no scratch), resolved once per equation: the
+    scratch itself is computed at each simulation, as it may read the thread count (ATen's CPU attention)."""
+    f = WORKSPACE.get(e.op.name)
+    if f is not None:
+        return f
+    f = _BY_DEVICE.get(e.op.name)
+    if f is not None:
+        return lambda e, f=f: f(e, device)
+    return (WORKSPACE_BY_TARGET if device == "cpu" else _gpu_table(device)).get(e.op.target)
+
+
+_STATIC: dict[tuple[int, str], tuple] = {}    # (id(eqn), device) -> (eqn, what simulate reads of it): the planner
+                                              # simulates many programs made of the same (immutable) equations
+
+
+def _static(e: Eqn, device: str) -> tuple:
+    """(e, (output, a new storage, bytes) for each tensor output, output names, distinct input names, scratch)."""
+    hit = _STATIC.get((id(e), device))
+    if hit is not None and hit[0] is e:
+        return hit
+    made = tuple((v.name, a is None, nbytes(v)) for v, a in zip(e.outputs, aliases(e)) if v.dtype is not None)
+    hit = (e, made, tuple(v.name for v in e.outputs), tuple(dict.fromkeys(x.name for x in e.inputs)),
+           _scratch_of(e, device))
+    if len(_STATIC) > 400_000:
+        _STATIC.clear()
+    _STATIC[(id(e), device)] = hit
+    return hit
