@@ -429,16 +429,7 @@ _BY_DEVICE = {"sdpa_backward": _autosp_sdpa_backward, "masked_attention": _maske
 def workspace(e: Eqn, device: str = "cpu") -> int:
     """Transient bytes while `e` runs on `device` ('cpu', 'cuda' or a GPU of cost.GPUS), beyond its outputs: the
     kernel that device runs for it, whichever device traced it."""
-    f = WORKSPACE.get(e.op.name)
-    if f is not None:
-        return f(e)
-    f = _BY_DEVICE.get(e.op.name)
-    if f is not None:
-        return f(e, device)
-    if device == "cpu":
-        f = WORKSPACE_BY_TARGET.get(e.op.target)
-    else:
-        f = _gpu_table(device).get(e.op.target)
+    f = _scratch_of(e, device)
     return f(e) if f is not None else 0
 
 
