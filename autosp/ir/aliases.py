@@ -6,24 +6,17 @@ from __future__ import annotations
 
 import torch
 
-from autosp.ir.core import Eqn, Graph, In
+from autosp.ir.core import Eqn, Graph, In, PerEqn
 
 _VIEW_LIKE = {"_unsafe_view"}                   # no alias annotation, but a view of its input
 
 
 def aliases(e: Eqn) -> list[int | None]:
     """For each output of `e`, the index of the input whose storage it shares (None: a new one)."""
-    hit = _ALIASES.get(id(e))
-    if hit is not None and hit[0] is e:
-        return hit[1]
-    out = _aliases(e)
-    if len(_ALIASES) > 200_000:
-        _ALIASES.clear()
-    _ALIASES[id(e)] = (e, out)
-    return out
+    return _ALIASES.get(e, _aliases)
 
 
-_ALIASES: dict[int, tuple[Eqn, list]] = {}     # id(eqn) -> (eqn, aliases): simulations ask again and again
+_ALIASES = PerEqn()     # simulations ask again and again
 
 
 def _aliases(e: Eqn) -> list[int | None]:

@@ -131,6 +131,25 @@ class Eqn:
         return f"{outs} = {self.op.name}({', '.join(parts)})"
 
 
+class PerEqn:
+    """A value derived from each equation, kept by the equation's identity (equations are immutable, and the planner
+    simulates and schedules many programs made of the same ones); forgotten all at once past `limit` entries.
+    `get(e, make, *extra)`: make(e, *extra), once per (e, *extra)."""
+
+    def __init__(self, limit: int = 200_000):
+        self._kept: dict = {}
+        self._limit = limit
+
+    def get(self, e: Eqn, make, *extra):
+        key = (id(e), *extra) if extra else id(e)
+        hit = self._kept.get(key)
+        if hit is None or hit[0] is not e:
+            if len(self._kept) > self._limit:
+                self._kept.clear()
+            hit = self._kept[key] = (e, make(e, *extra))
+        return hit[1]
+
+
 @dataclass(frozen=True, slots=True)
 class Graph:
     inputs: tuple[Var, ...]

@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from autosp.ir.core import Eqn, Graph, Role, Var
+from autosp.ir.core import Eqn, Graph, PerEqn, Role, Var
 from autosp.ir.ops import Tag, op_for
 from autosp.passes.prefetch import layer_of, schedule_gathers
 from autosp.units import fmt_bytes
@@ -107,27 +107,25 @@ SPLIT = {
 }
 
 
-_SPLIT: dict[int, tuple] = {}     # id(eqn) -> (eqn, its split): the planner schedules many programs made of the
-                                  # same equations (each candidate plan of a search), and equations are immutable
+_SPLIT = PerEqn()    # each collective's split: the planner schedules many programs made of the same equations
 
 
 def split_collectives(graph: Graph) -> Graph:
     """Each blocking collective of SPLIT as start, wait and result, where it stood (nothing moves yet)."""
     if not any(e.op.name in SPLIT for e in graph.eqns):
         return graph
-    if len(_SPLIT) > 200_000:
-        _SPLIT.clear()
     eqns = []
     for e in graph.eqns:
         rule = SPLIT.get(e.op.name)
         if rule is None:
             eqns.append(e)
             continue
-        hit = _SPLIT.get(id(e))
-        if hit is None or hit[0] is not e:
-            hit = _SPLIT[id(e)] = (e, tuple(rule(e, e.bind_schema()["group_name"])))
-        eqns.extend(hit[1])
+        eqns.extend(_SPLIT.get(e, _split, rule))
     return graph.replace(eqns=tuple(eqns), name="split_collectives")
+
+
+def _split(e: Eqn, rule) -> tuple:
+    return tuple(rule(e, e.bind_schema()["group_name"]))
 
 
 def keys_first(graph: Graph) -> Graph:
@@ -282,17 +280,15 @@ def place_collectives(graph: Graph) -> Graph:
     return graph.replace(eqns=tuple(eqns), name="place_collectives")
 
 
-_READS: dict[int, tuple] = {}    # id(eqn) -> (eqn, its input names as a frozenset): the planner schedules many
-                                 # programs made of the same equations
+_READS = PerEqn()    # each equation's input names as one frozenset
 
 
 def _reads(e: Eqn) -> frozenset:
-    hit = _READS.get(id(e))
-    if hit is None or hit[0] is not e:
-        if len(_READS) > 400_000:
-            _READS.clear()
-        hit = _READS[id(e)] = (e, frozenset(x.name for x in e.inputs))
-    return hit[1]
+    return _READS.get(e, _names_read)
+
+
+def _names_read(e: Eqn) -> frozenset:
+    return frozenset(x.name for x in e.inputs)
 
 
 def _next_layer_start(eqns: list, k: int, layers: dict, grads: set) -> int:

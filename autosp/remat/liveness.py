@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from autosp.ir.aliases import aliases, roots
-from autosp.ir.core import Eqn, Graph, Var
+from autosp.ir.core import Eqn, Graph, PerEqn, Var
 
 aten = torch.ops.aten
 
@@ -515,7 +515,7 @@ def simulate(graph: Graph, counted=(), keep=(), base: int = 0, host=(), detail: 
     after, during = [], []
     best, snapshot = -1, ()
     for i, e in enumerate(graph.eqns):
-        _, made, outs, ins, scratch = _static(e, device)
+        made, outs, ins, scratch = _static(e, device)
         for name, new, nb in made:
             r = root[name]
             if new and name not in host:
@@ -556,19 +556,15 @@ def _scratch_of(e: Eqn, device: str):
     return (WORKSPACE_BY_TARGET if device == "cpu" else _gpu_table(device)).get(e.op.target)
 
 
-_STATIC: dict[tuple[int, str], tuple] = {}    # (id(eqn), device) -> (eqn, what simulate reads of it): the planner
-                                              # simulates many programs made of the same (immutable) equations
+_STATIC = PerEqn(400_000)     # by equation and device: the planner simulates many programs made of the same equations
 
 
 def _static(e: Eqn, device: str) -> tuple:
-    """(e, (output, a new storage, bytes) for each tensor output, output names, distinct input names, scratch)."""
-    hit = _STATIC.get((id(e), device))
-    if hit is not None and hit[0] is e:
-        return hit
+    """((output, a new storage, bytes) for each tensor output, output names, distinct input names, scratch)."""
+    return _STATIC.get(e, _static_of, device)
+
+
+def _static_of(e: Eqn, device: str) -> tuple:
     made = tuple((v.name, a is None, nbytes(v)) for v, a in zip(e.outputs, aliases(e)) if v.dtype is not None)
-    hit = (e, made, tuple(v.name for v in e.outputs), tuple(dict.fromkeys(x.name for x in e.inputs)),
-           _scratch_of(e, device))
-    if len(_STATIC) > 400_000:
-        _STATIC.clear()
-    _STATIC[(id(e), device)] = hit
-    return hit
+    return (made, tuple(v.name for v in e.outputs), tuple(dict.fromkeys(x.name for x in e.inputs)),
+            _scratch_of(e, device))
