@@ -131,12 +131,13 @@ def on_device(graph: Graph, old: str, new: str) -> Graph:
                          consts=consts)
 
 
-def differentiate(fwd: Graph, diff_inputs: tuple[int, ...] | None = None) -> Joint:
-    """The joint forward + backward graph of `fwd` w.r.t. its inputs at `diff_inputs`."""
+def differentiate(fwd: Graph, diff_inputs: tuple[int, ...] | None = None, *, whole: bool = False) -> Joint:
+    """The joint forward + backward graph of `fwd` w.r.t. its inputs at `diff_inputs`: one segment at a time
+    where the forward can be cut (passes/segments.py: the same joint, each distinct layer traced once), else
+    (or `whole`) in one trace."""
     if any(v.device == "meta" for v in fwd.inputs) or any(v.device == "meta" for v, _ in fwd.consts):
         fwd = on_device(fwd, "meta", "cpu")
     diff = differentiable_inputs(fwd) if diff_inputs is None else tuple(diff_inputs)
-    gm = lower(fwd)
     n_in, n_const = len(fwd.inputs), len(fwd.consts)
     const_names = [f"_const{i}" for i in range(n_const)]
     out_vars = [o for o in fwd.outputs]
@@ -147,6 +148,12 @@ def differentiate(fwd: Graph, diff_inputs: tuple[int, ...] | None = None) -> Joi
     if not diff_out:
         raise AutospError("autosp: no output of the function depends on a parameter, so there is nothing to "
                           "differentiate. Fix: return the loss computed from the parameters.")
+    if not whole:
+        from autosp.passes.segments import differentiate_segments
+        joint = differentiate_segments(fwd, diff, diff_out)
+        if joint is not None:
+            return joint
+    gm = lower(fwd)
     found: list[tuple[int, ...]] = []
     marks: list[int | None] = []
 
