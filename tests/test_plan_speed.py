@@ -42,3 +42,30 @@ def test_the_probes_lend_the_replays_joint_and_price_as_one_process(tmp_path, mo
             [(both.plan[k], alone.plan[k]) for k in alone.plan]:
         assert np.array_equal(a.values, b.values) and np.array_equal(a.saved, b.saved)
         assert (a.comm, a.host, a.shape) == (b.comm, b.host, b.shape) and np.array_equal(a.terms, b.terms)
+
+
+def test_a_verdict_stops_at_the_first_plan_within_its_budget_with_the_same_verdict(monkeypatch):
+    """plan_step's `enough` (at_length's quick verdicts, autosp plan's checks): the most tiled step's least peak
+    within it, the untiled one not searched; where nothing is within it, the least of all, as without it."""
+    import autosp.remat as remat
+    from autosp.run import plan
+    from autosp.run.meshes import fake_world, planning_mesh
+    from autosp.run.models import model_config
+    searched = []
+    make_plan = remat.make_plan
+    monkeypatch.setattr(remat, "make_plan", lambda joint, *a, **k: searched.append(len(joint.graph.eqns))
+                        or make_plan(joint, *a, **k))
+    monkeypatch.setenv("AUTOSP_PLAN_CACHE", "off")
+    with fake_world(2):
+        tracer = plan.Tracer(model_config("tiny"), planning_mesh(2), torch.float32, 1, 2, shard_params=True)
+        local = tracer.trace(1024, single=False).local
+        least = remat.plan_step(local, "least", refine=False, plan_only=True)[0]
+        both = list(searched)
+        searched.clear()
+        first = remat.plan_step(local, "least", refine=False, plan_only=True, enough=2 ** 40)[0]
+        one = list(searched)
+        searched.clear()
+        none = remat.plan_step(local, "least", refine=False, plan_only=True, enough=1)[0]
+    assert len(both) == 2 and one == both[:1], (both, one)        # the tiled step, then the untiled one
+    assert first.peak_bytes + first.const_bytes <= 2 ** 40 and first.tiling
+    assert (none.peak_bytes, none.tiling) == (least.peak_bytes, least.tiling) and searched == both

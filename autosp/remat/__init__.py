@@ -52,12 +52,19 @@ def joint_of(local):
     return hit[:2]
 
 
-def export_joints() -> bytes:
-    """The joints this process has derived, as bytes (ir/serial.py) for another process to adopt_joints: `autosp
-    plan`'s search process hands them to the one that checks its answer, which then re-instantiates them at each
-    length it asks (passes/rescale.py, 1.5 s for the 8B step) instead of differentiating (4 s untiled, 16 s tiled)."""
+def export_joints(since: int = 0) -> bytes:
+    """The joints this process has derived (from the `since`-th kept on: joint_count() before deriving the ones to
+    hand over), as bytes (ir/serial.py) for another process to adopt_joints: `autosp plan`'s search process hands
+    them to the one that checks its answer, which then re-instantiates them at each length it asks
+    (passes/rescale.py, 1.5-2.5 s for the 8B step) instead of differentiating (passes/segments.py: 1 s untiled,
+    4 s tiled)."""
     from autosp.ir.serial import dumps
-    return dumps([entry for entry in _JOINTS.values()])
+    return dumps(list(_JOINTS.values())[since:])
+
+
+def joint_count() -> int:
+    """How many joints this process keeps (export_joints' `since`)."""
+    return len(_JOINTS)
 
 
 def adopt_joints(data: bytes) -> None:
@@ -128,7 +135,7 @@ def _by_id(tiles: dict, chains) -> dict[str, int]:
 
 
 def _planned(local, memory_budget, dev, *, host_memory=None, refine: bool = True, tiles=None,
-             plan_only: bool = False, attention=None):
+             plan_only: bool = False, attention=None, enough=None):
     """(Plan, Program, Joint, StepBoundary, tiling) of the step under the budget (_plan_now), or of the plan
     kept on disk for the same step and arguments (store.py: the joint derived again, the plan applied to it and
     simulated again; with `plan_only`, none of it: Program, Joint and StepBoundary are None, and the peak is the
@@ -138,7 +145,7 @@ def _planned(local, memory_budget, dev, *, host_memory=None, refine: bool = True
     from autosp.remat import store
     from autosp.remat.solve import time_limits
     name = store.key(local, memory_budget, dev, host_memory=host_memory, refine=refine, tiles=tiles,
-                     attention=attention)
+                     attention=attention, enough=enough)
     kept = store.load(name)
     if kept is not None and kept[0] == "refused":
         raise BudgetError(kept[1], least_peak_bytes=kept[2])
@@ -152,7 +159,8 @@ def _planned(local, memory_budget, dev, *, host_memory=None, refine: bool = True
     limited = time_limits()
     try:
         plan, program, joint, boundary, ks = _plan_now(local, memory_budget, dev, host_memory=host_memory,
-                                                       refine=refine, tiles=tiles, attention=attention)
+                                                       refine=refine, tiles=tiles, attention=attention,
+                                                       enough=enough)
     except BudgetError as exc:
         if time_limits() == limited:
             store.save(name, ("refused", str(exc), exc.least_peak_bytes))
@@ -214,11 +222,15 @@ def attention_kernels(local, dev, attention=None) -> tuple[str, ...]:
     return ("sdpa", "autosp") if candidates(local) else ("sdpa",)
 
 
-def _plan_now(local, memory_budget, dev, *, host_memory=None, refine: bool = True, tiles=None, attention=None):
+def _plan_now(local, memory_budget, dev, *, host_memory=None, refine: bool = True, tiles=None, attention=None,
+              enough=None):
     """(Plan, Program, Joint, StepBoundary, tiling) of the step under the budget: untiled first, then
     the tilings of tiling_levels (passes/tile.py) until a plan fits (`tiles`: that tiling alone, by
-    chain name). "least": the lower of the untiled step's and the most tiled one's least peaks; a
-    budget none reaches is refused with that least. A fraction is of the untiled no-remat peak."""
+    chain name). "least": the lower of the untiled step's and the most tiled one's least peaks (each with the
+    backend's attention backward, and autosp's where that may lower it); a budget none reaches is refused with
+    that least. `enough` (a verdict's budget, with "least"): the first of those whose peak and constants are
+    within it, the others not searched (train's planner, given that budget, finds a plan within it then too).
+    A fraction is of the untiled no-remat peak."""
     from autosp.passes.tile import find_chains
     offload = dev.host_bw is not None
     chains = find_chains(local)
@@ -261,7 +273,12 @@ def _plan_now(local, memory_budget, dev, *, host_memory=None, refine: bool = Tru
     if kind == "least":                          # the most tiles usually, but not where tiling costs more
         ends = [levels[-1]] if levels[0] == levels[-1] else [levels[-1], levels[0]]
         found = []
+
+        def within():
+            return enough is not None and any(r[0].peak_bytes + r[0].const_bytes <= enough for r in found)
         for ks in ends:
+            if within():
+                break
             # every forward equation runs, so no plan's peak is below the widest value the forward makes: a tiling
             # whose widest value is above a least found already is not searched (the untiled step's logits at
             # long context)
@@ -269,8 +286,9 @@ def _plan_now(local, memory_budget, dev, *, host_memory=None, refine: bool = Tru
                 continue
             found.append(at(ks, memory_budget, kernel=kernels[0], defer=True))
         # autosp's attention backward, where the backend's scratch is what holds a least peak up
-        found += [at(r[4], memory_budget, kernel=kernel, defer=True) for r in list(found)
-                  if _attention_bound(r[1], dev.name) for kernel in kernels[1:]]
+        if not within():
+            found += [at(r[4], memory_budget, kernel=kernel, defer=True) for r in list(found)
+                      if _attention_bound(r[1], dev.name) for kernel in kernels[1:]]
         # the lower least; at a tie the backend's kernel and the fewer tiles (both faster)
         best = min(found, key=lambda r: (r[0].peak_bytes, r[0].attention_backward != kernels[0], sum(r[4].values())))
         # its cheapest plan at that peak (the cost-minimising solve), for the lower end alone: MiniMax's at 128
@@ -315,14 +333,15 @@ def _with_tiling(plan, ks: dict, by_id: dict):
 
 def plan_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=None, host_memory=None,
               offload: bool | None = None, refine: bool = True, tiles=None, plan_only: bool = False,
-              attention=None):
+              attention=None, enough=None):
     """(Plan, Program, Joint, StepBoundary) for a sharded forward graph; runs nothing. The one planning
     entry of autosp.plan, autosp.explain and the command line. `offload`: None plans offload where the
     device has a host link (a GPU, or `host_bandwidth`), False never; `host_memory`: bytes per rank
     (or '64GiB') the offloaded values may take, None no limit; `refine`: make_plan's; `tiles`: a
     tiling to plan with (Chain.id -> k) instead of the search; `plan_only`: the Plan is all the caller
     reads (a plan kept on disk is then not applied: the others may be None); `attention`: the attention
-    backward's kernel, 'sdpa' or 'autosp' (None: the planner weighs both on a GPU, attention_kernels)."""
+    backward's kernel, 'sdpa' or 'autosp' (None: the planner weighs both on a GPU, attention_kernels); `enough`:
+    with "least", bytes a least-peak plan may stop at (_plan_now)."""
     from dataclasses import replace
 
     from autosp.remat.cost import device_for
@@ -330,7 +349,8 @@ def plan_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=None,
     if offload is False:
         dev = replace(dev, host_bw=None)
     plan, program, joint, boundary, _ = _planned(local, memory_budget, dev, host_memory=host_memory, refine=refine,
-                                                 tiles=tiles, plan_only=plan_only, attention=attention)
+                                                 tiles=tiles, plan_only=plan_only, attention=attention,
+                                                 enough=enough)
     return plan, program, joint, boundary
 
 

@@ -65,14 +65,15 @@ def folder() -> pathlib.Path | None:
     return pathlib.Path(base) / "autosp" / "plans"
 
 
-def key(local, memory_budget, dev, *, host_memory=None, refine: bool = True, tiles=None, attention=None) -> str:
+def key(local, memory_budget, dev, *, host_memory=None, refine: bool = True, tiles=None, attention=None,
+        enough=None) -> str:
     """A plan entry's name: a digest of what the plan of `local` under these arguments is a function of."""
     import torch
 
     from autosp.passes.schedule import enabled
     return _digest(f"threads {torch.get_num_threads()}", f"overlap {enabled()}", repr(memory_budget), repr(dev),
                    repr(host_memory), repr(refine), repr(None if tiles is None else sorted(tiles.items())),
-                   repr(attention), str(local))
+                   repr(attention), *(() if enough is None else (f"enough {enough}",)), str(local))
 
 
 def answer_key(question: str, *inputs: str) -> str:

@@ -731,7 +731,9 @@ def at_length(step: Step, *, with_longest: bool = True, parallel: bool = True, q
     --seq-len`, train's check before its first step and `autosp plan`'s check of its own answer: the least peak
     the planner reaches at this length (its least-peak search, as `autosp plan` runs it, on the step tiled as far
     as it goes and untiled: the lower) within that budget. Train's planner then finds a plan within it (the
-    same search at the same tilings, finer). `quick`: the verdict alone, without the plan train runs."""
+    same search at the same tilings, finer). `quick`: the verdict alone, without the plan train runs; its least
+    peak is then the first searched within the budget (the most tiled step with the backend's attention backward
+    first), the others searched only where none is: the same verdict, the fits' excess not the least's."""
     from autosp.remat import plan_step
     if step.seq_len is None:
         raise AutospError("autosp plan: at_length needs --seq-len. Fix: pass --seq-len, or plan the longest length.")
@@ -753,7 +755,8 @@ def at_length(step: Step, *, with_longest: bool = True, parallel: bool = True, q
         args = dict(device=step.target, host_bandwidth=step.host_bandwidth, host_memory=fit.host_cap)
         tiles = None if step.tile else {}
         if step.memory_budget is None and step.memory is not None:         # the budget is what --memory leaves
-            least, program, _, _ = plan_step(local, "least", refine=False, tiles=tiles, plan_only=quick, **args)
+            least, program, _, _ = plan_step(local, "least", refine=False, tiles=tiles, plan_only=quick,
+                                             enough=fit.budget if quick else None, **args)
             fit.least = least.peak_bytes + least.const_bytes      # the constants are held through the step too
             fit.least_plan = (least, program)
             fit.verdict = max(fit.least, fit.reference) <= fit.budget

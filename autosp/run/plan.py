@@ -399,15 +399,16 @@ def _lend(shared, local1) -> None:
     re-instantiation (the tiny preset's 1.5 s against 0.4 s), and one that begins later is not (the 8B step's 3.4
     s against 3 s, begun 2.5 s after the handover: the search replayed first and the lend's exchange cost 1 s)."""
     from autosp.passes.tile import find_chains, tile
-    from autosp.remat import _by_id, adopt_joints, export_joints, joint_of
+    from autosp.remat import _by_id, adopt_joints, export_joints, joint_count, joint_of
     got = shared.get(shared.SEARCHED)
     if got is None:
         return
     deep, joints = got
     adopt_joints(joints)
     ks = _by_id(deep, find_chains(local1))
+    before = joint_count()
     joint_of(tile(local1, ks) if ks else local1)
-    shared.put(shared.LENT, export_joints())
+    shared.put(shared.LENT, export_joints(min(before, joint_count() - 1)))     # the one derived here
 
 
 def probe_long(tracer, l1: int, l2: int, device: str, offload: bool, host_memory: int | None = None,
