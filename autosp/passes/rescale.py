@@ -3,8 +3,8 @@
     joint_b = rescale(joint_a, step_a, step_b)   # step_b: the forward step_a traced at another length
 
 Differentiating (make_fx over the forward and torch.autograd.grad) is the slow part of planning: 7 s
-for an 8B Llama's step, 12-16 s with its position-wise chains tiled, and `autosp plan` needs every
-program at two lengths. But two traces of one step at two lengths are one program whose sizes differ
+for an 8B Llama's step whole, 12-16 s with its position-wise chains tiled (1 and 4 s one distinct segment
+at a time, passes/segments.py), and `autosp plan` needs every program at several lengths. But two traces of one step at two lengths are one program whose sizes differ
 (the planner's affine model rests on it), and so are their backwards. So the joint is traced once and
 re-instantiated: every size that moves between the two forwards (L, L / P, a tile's L / Pk, ...) is
 moved in the joint's shapes and arguments, and each equation is run on fake tensors at the new sizes,

@@ -24,8 +24,9 @@ Each segment is traced on inputs with the strides the whole gives them (a reshap
 them), and its backward from tangents with the strides its gradients have there. The result is equal,
 equation for equation and name for name, to differentiating the whole (tests/test_segments.py holds it
 so across the zoo); where a segment's trace would not show what the whole does (a constant its trace
-makes, a gradient summed across segments, no cut), or a segment fails to trace, this returns None and
-the caller differentiates the whole (which raises what there is to raise).
+makes, a gradient summed across segments, no cut), where the segments hardly repeat (a 2-layer model: a
+trace's setup per segment costs more than it saves), or where a segment fails to trace, this returns None
+and the caller differentiates the whole (which raises what there is to raise).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from autosp.ir.core import Eqn, Graph, Role, Var
 from autosp.ir.lower import lower
 
 MIN_EQNS = 8        # a segment's least equations: fewer cost a trace's setup each for little
+DISTINCT = 0.6      # where the distinct segments hold more of the forward than this, it is differentiated whole
 
 
 class _Unsplittable(Exception):
@@ -104,7 +106,9 @@ class _Segment:
         self.eqns = eqns
 
     def structure(self, const_ids: dict[str, int]):
-        """The segment up to names: the same key for every copy of a layer."""
+        """The segment up to names: the same key for every copy of a layer (None: unhashable arguments)."""
+        if hasattr(self, "_key"):
+            return self._key
         local: dict[str, tuple] = {v.name: ("i", i) for i, v in enumerate(self.inputs)}
         local.update({v.name: ("c", const_ids[v.name]) for v in self.consts})
         body = []
@@ -113,8 +117,14 @@ class _Segment:
                          tuple((o.dtype, o.shape, o.device) for o in e.outputs)))
             for j, o in enumerate(e.outputs):
                 local[o.name] = ("e", k, j)
-        return (tuple(body), tuple((v.dtype, v.shape, v.device) for v in self.inputs),
-                tuple(local[o.name] for o in self.outputs))
+        key = (tuple(body), tuple((v.dtype, v.shape, v.device) for v in self.inputs),
+               tuple(local[o.name] for o in self.outputs))
+        try:
+            hash(key)
+        except TypeError:
+            key = None
+        self._key = key
+        return key
 
 
 class _Template:
@@ -238,6 +248,11 @@ def _joined(fwd: Graph, diff, diff_out, bounds):
     const_ids = {v.name: id(t) for v, t in fwd.consts}
     const_of = {v.name: t for v, t in fwd.consts}
     segs = [_Segment(fwd, a, b, last_read, out_names, const_names) for a, b in zip(bounds, bounds[1:])]
+    distinct: dict = {}
+    for s, seg in enumerate(segs):
+        distinct.setdefault(seg.structure(const_ids) or s, len(seg.eqns))
+    if sum(distinct.values()) > DISTINCT * len(fwd.eqns):     # little repeats: one trace costs less than many
+        raise _Unsplittable("the segments hardly repeat")
     params = {fwd.inputs[i].name for i in diff}
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     made: dict = {}
@@ -248,11 +263,7 @@ def _joined(fwd: Graph, diff, diff_out, bounds):
     def template(s: int, seg: _Segment, tangents):
         flags = tuple(requires.get(v.name, False) for v in seg.inputs)
         st = tuple(strides[v.name] for v in seg.inputs)
-        try:
-            key = (seg.structure(const_ids), flags, st, tangents)
-            hash(key)
-        except TypeError:
-            key = ("segment", s, flags, st, tangents)
+        key = (seg.structure(const_ids) or ("segment", s), flags, st, tangents)
         hit = made.get(key)
         if hit is None:
             hit = made[key] = _trace(seg, [const_of[v.name] for v in seg.consts], flags, st, tangents, mode)
