@@ -25,8 +25,8 @@ def _segmented(fwd):
 
 
 # a view's strides (Mamba-2's reshapes), a parameter no gradient reaches (DeepSeek-V3.2's indexer: zeros), the
-# gated delta rule's chunk loop, sinks and MoE routing
-@pytest.mark.parametrize("name", ["mamba2", "deepseek_v32", "qwen3_next", "gpt_oss"])
+# gated delta rule's chunk loop, sinks and MoE routing, a tied embedding (its gradient summed across segments)
+@pytest.mark.parametrize("name", ["mamba2", "deepseek_v32", "qwen3_next", "gpt_oss", "gemma"])
 def test_the_zoo_differentiated_by_segments_is_the_whole_joint(name, monkeypatch):
     monkeypatch.setattr(segments, "DISTINCT", 1.0)      # 2 layers hardly repeat: cut them all the same
     with fake_world(2):
@@ -38,6 +38,7 @@ def test_the_zoo_differentiated_by_segments_is_the_whole_joint(name, monkeypatch
         seg, whole = _segmented(fwd)
         assert seg is not None and len(segments.cuts(fwd, differentiable_inputs(fwd))) >= 2
         assert _same(seg, whole), name
+        assert name != "gemma" or model.config.tie_word_embeddings
         assert _same(differentiate(fwd), whole)            # differentiate's own path is the segments'
 
 

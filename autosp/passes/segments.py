@@ -11,20 +11,21 @@ and the pieces are joined in the order torch's autograd engine runs the whole: t
 order, then their backwards last to first.
 
 Why that order is the engine's. The engine runs the ready node of the highest sequence number (the
-latest made in the forward). A cut is allowed only where every value that carries a gradient and is
-read after the cut is read in one segment besides its own (a value read in two later segments would
-have its gradient summed across them, at a point no single segment shows), and where the step's
-differentiated outputs are made after the last cut. Then no node of a segment depends on an earlier
-segment's backward, so while a later segment has nodes to run one of them is ready, and it outranks
-every earlier segment's node: the segments' backwards run last to first, each as it runs alone once
-all its outputs' gradients are in (the gradients from later segments arrive as tangents, with the
-strides they have in the whole).
+latest made in the forward). The step's differentiated outputs are made after the last cut, and no node
+of a segment depends on an earlier segment's backward, so while a later segment has nodes to run one of
+them is ready, and it outranks every earlier segment's node: the segments' backwards run last to first,
+each as it runs alone once all its outputs' gradients are in (the gradients from later segments arrive
+as tangents, with the strides they have in the whole). A value read in several later segments (a tied
+embedding's weight) has its gradient summed as each lands: each segment that reads it but the last also
+returns it, as it came, with the later segments' sum as that output's tangent, so its own trace makes
+the sum where the engine makes it. Cuts are kept out of the values read within half the forward (a
+layer's), so that the segments fall at the same place in every layer.
 
 Each segment is traced on inputs with the strides the whole gives them (a reshape is a view or a copy by
 them), and its backward from tangents with the strides its gradients have there. The result is equal,
 equation for equation and name for name, to differentiating the whole (tests/test_segments.py holds it
 so across the zoo); where a segment's trace would not show what the whole does (a constant its trace
-makes, a gradient summed across segments, no cut), where the segments hardly repeat (a 2-layer model: a
+makes, no cut), where the segments hardly repeat (a 2-layer model: a
 trace's setup per segment costs more than it saves), or where a segment fails to trace, this returns None
 and the caller differentiates the whole (which raises what there is to raise).
 """
@@ -66,7 +67,9 @@ def cuts(fwd: Graph, diff: tuple[int, ...]) -> list[int]:
                 grad.add(o.name)
     blocked = [0] * (n + 2)                             # a difference array over cut positions
     for name, lo in first.items():
-        if last[name] > lo:
+        # a value read across half the forward (a tied embedding's weight, each MoE layer's router logits for the
+        # loss) is handed through the segments that read it (_Segment.through); the others keep a layer whole
+        if lo < last[name] <= lo + n // 2:
             blocked[lo + 1] += 1
             blocked[last[name] + 1] -= 1
     for o in fwd.outputs:                               # the differentiated outputs: in the last segment
@@ -103,6 +106,11 @@ class _Segment:
         self.consts = list(consts.values())
         self.outputs = [o for e in eqns for o in e.outputs
                         if o.dtype is not None and (last_read.get(o.name, -1) >= b or o.name in outputs)]
+        # inputs a later segment reads too, returned as they came: their tangent is the later segments' gradient, so
+        # that this segment's trace adds its own to it where the engine adds it in the whole (`add(later, this)`)
+        self.through = [v for v in self.inputs if v.dtype is not None and v.dtype.is_floating_point
+                        and last_read.get(v.name, -1) >= b]
+        self.all_outputs = self.outputs + self.through
         self.eqns = eqns
 
     def structure(self, const_ids: dict[str, int]):
@@ -118,7 +126,7 @@ class _Segment:
             for j, o in enumerate(e.outputs):
                 local[o.name] = ("e", k, j)
         key = (tuple(body), tuple((v.dtype, v.shape, v.device) for v in self.inputs),
-               tuple(local[o.name] for o in self.outputs))
+               tuple(local[o.name] for o in self.all_outputs))
         try:
             hash(key)
         except TypeError:
@@ -155,13 +163,14 @@ def _trace(seg: _Segment, const_values, requires_in: tuple[bool, ...], strides_i
     permute's) and of torch.autograd.grad from `tangents` ((output j, strides); None: every output that
     requires grad, contiguous) to its inputs that require grad."""
     from autosp.trace import lift, uncompiled
-    sub = Graph(tuple(seg.inputs), tuple(seg.eqns), tuple(seg.outputs),
+    outputs = seg.all_outputs
+    sub = Graph(tuple(seg.inputs), tuple(seg.eqns), tuple(outputs),
                 consts=tuple(zip(seg.consts, const_values)))
     gm = lower(sub)
     n_in, n_c = len(seg.inputs), len(seg.consts)
     wrt = [k for k, r in enumerate(requires_in) if r]
-    floating = [j for j, o in enumerate(seg.outputs) if o.dtype.is_floating_point]
-    offered = tuple((j, _contiguous(seg.outputs[j].shape)) for j in floating) if tangents is None else tangents
+    floating = [j for j, o in enumerate(outputs) if o.dtype.is_floating_point]
+    offered = tuple((j, _contiguous(outputs[j].shape)) for j in floating) if tangents is None else tangents
     seen: dict = {}
 
     def joint(*flat):
@@ -194,11 +203,11 @@ def _trace(seg: _Segment, const_values, requires_in: tuple[bool, ...], strides_i
         # constants enter as fakes on their graph device (a meta buffer planned as a CPU one), as differentiate's
         args += [torch.empty(v.shape, dtype=v.dtype, device=v.device) if t.device.type == "meta"
                  else mode.from_tensor(t) for v, t in zip(seg.consts, const_values)]
-        args += [torch.empty_strided(seg.outputs[j].shape, st, dtype=seg.outputs[j].dtype,
-                                     device=seg.outputs[j].device) for j, st in offered]
+        args += [torch.empty_strided(outputs[j].shape, st, dtype=outputs[j].dtype, device=outputs[j].device)
+                 for j, st in offered]
     names = ([Var(f"i{k}", v.dtype, v.shape, v.device) for k, v in enumerate(seg.inputs)]
              + [Var(f"k{k}", v.dtype, v.shape, v.device, role=Role.CONST) for k, v in enumerate(seg.consts)]
-             + [Var(f"t{j}", seg.outputs[j].dtype, seg.outputs[j].shape, seg.outputs[j].device,
+             + [Var(f"t{j}", outputs[j].dtype, outputs[j].shape, outputs[j].device,
                     role=Role.TANGENT) for j, _ in offered])
     with uncompiled():
         jgm = make_fx(joint, tracing_mode="fake")(*args)
@@ -212,7 +221,7 @@ def _trace(seg: _Segment, const_values, requires_in: tuple[bool, ...], strides_i
         if e.op.name != "detach" or e.inputs[0].name != f"i{i}":
             raise _Unsplittable("the trace does not begin with its inputs' detaches")
     n_fwd = _forward_eqn_count(jgm, seen["mark"]) - len(wrt)
-    n_out = len(seg.outputs)
+    n_out = len(outputs)
     outs = lifted.outputs[:n_out]
     grad_vars = iter(lifted.outputs[n_out:])
     grads = [None] * n_in
@@ -283,7 +292,7 @@ def _joined(fwd: Graph, diff, diff_out, bounds):
     for s in range(len(segs) - 1, -1, -1):
         seg, t = segs[s], temps[s]
         got = []
-        for j, o in enumerate(seg.outputs):
+        for j, o in enumerate(seg.all_outputs):
             if o.name in diff_names:
                 got.append((j, _contiguous(o.shape)))
             elif o.name in grad_of:
@@ -291,10 +300,11 @@ def _joined(fwd: Graph, diff, diff_out, bounds):
         got = tuple(got)
         if got != t.tangents:
             t = temps[s] = template(s, seg, got)
+        summed = {seg.all_outputs[j].name for j, _ in t.tangents}     # the later segments' gradient in its own
         for k, v in enumerate(seg.inputs):
             if t.grads[k] is not None:
-                if v.name in grad_of:
-                    raise _Unsplittable(f"{v.name} has gradients from two segments")
+                if v.name in grad_of and v.name not in summed:
+                    raise _Unsplittable(f"{v.name}'s gradient from a later segment is not summed here")
                 grad_of[v.name] = (s, t.grads[k], t.strides[k])
 
     # join: the parameters' detaches, the forwards in order, the backwards last to first, numbered as lift numbers
@@ -331,7 +341,7 @@ def _joined(fwd: Graph, diff, diff_out, bounds):
     for s in range(len(segs) - 1, -1, -1):
         seg, t, env = segs[s], temps[s], envs[s]
         for j, _ in t.tangents:
-            name = seg.outputs[j].name
+            name = seg.all_outputs[j].name
             env[f"t{j}"] = tangents[diff_names[name]] if name in diff_names else grads[name]
         _instantiate(t.eqns[t.n_detach + t.n_forward:], env, new, eqns)
         for k, v in enumerate(seg.inputs):
