@@ -287,7 +287,7 @@ def _joined(fwd: Graph, diff, diff_out, bounds):
         strides.update((o.name, st) for o, st in zip(seg.outputs, t.out_strides))
         temps.append(t)
     # backward, last to first: the tangents each segment gets; traced again where they differ from the guess
-    grad_of: dict[str, tuple[int, Var, tuple]] = {}         # value -> (segment, template Var, strides)
+    grad_strides: dict[str, tuple] = {}         # value -> the strides of its gradient from the later segments
     diff_names = {fwd.outputs[j].name: k for k, j in enumerate(diff_out)}
     for s in range(len(segs) - 1, -1, -1):
         seg, t = segs[s], temps[s]
@@ -295,17 +295,17 @@ def _joined(fwd: Graph, diff, diff_out, bounds):
         for j, o in enumerate(seg.all_outputs):
             if o.name in diff_names:
                 got.append((j, _contiguous(o.shape)))
-            elif o.name in grad_of:
-                got.append((j, grad_of[o.name][2]))
+            elif o.name in grad_strides:
+                got.append((j, grad_strides[o.name]))
         got = tuple(got)
         if got != t.tangents:
             t = temps[s] = template(s, seg, got)
         summed = {seg.all_outputs[j].name for j, _ in t.tangents}     # the later segments' gradient in its own
         for k, v in enumerate(seg.inputs):
             if t.grads[k] is not None:
-                if v.name in grad_of and v.name not in summed:
+                if v.name in grad_strides and v.name not in summed:
                     raise _Unsplittable(f"{v.name}'s gradient from a later segment is not summed here")
-                grad_of[v.name] = (s, t.grads[k], t.strides[k])
+                grad_strides[v.name] = t.strides[k]
 
     # join: the parameters' detaches, the forwards in order, the backwards last to first, numbered as lift numbers
     counter = iter(range(1 << 62))
