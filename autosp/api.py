@@ -125,6 +125,11 @@ class Sharded:
         shards = self._param_shards(args) if shards is None else shards
         if global_graph is not None:
             return global_graph, self._shard(global_graph, args, shards)
+        graph = self._trace(args, shards)
+        return graph, self._shard(graph, args, shards)
+
+    def _trace(self, args, shards) -> Graph:
+        """The global trace of fn on these arguments (DTensor parameters stand in at their global shapes)."""
         traced = args
         if any(is_dtensor(x) for x in pytree.tree_leaves(args)):
             from torch._subclasses.fake_tensor import FakeTensorMode
@@ -142,7 +147,43 @@ class Sharded:
                              "by torch's fully_shard, FSDP's hooks ran while autosp traced it. Fix: "
                              "autosp.compile(model, mesh) (which holds them back), or shard the parameters with "
                              "autosp.shard_params(model, mesh) instead of fully_shard.") from None
-        return graph, self._shard(graph, args, shards)
+        return graph
+
+    def _shared_trace(self, args, shards) -> Graph | None:
+        """The global trace made once per sp group where its ranks are CPU processes (gloo), which share the
+        machine's cores: the group's first rank traces and the others receive it (ir/serial.py) after _agree has
+        found their arguments the same; each still shards it for itself. A trace it cannot send (a fake tensor
+        among its constants) is made by every rank, and a trace that fails fails on every rank with the first
+        rank's error. None where the ranks trace for themselves (a GPU's ranks have a core each)."""
+        from autosp.collectives import broadcast_bytes
+        from autosp.ir.serial import dumps, loads
+        group = dist.distributed_c10d._resolve_process_group(self.info.sp_group)
+        if dist.get_world_size(group) == 1 or dist.get_backend(group) != "gloo":
+            return None
+        if dist.get_rank(group) != 0:
+            got = loads(broadcast_bytes(None, group))
+            if got[0] == "error":
+                raise got[1]
+            return got[1] if got[0] == "ok" else None
+        try:
+            graph = self._trace(args, shards)
+        except Exception as exc:
+            try:
+                sent = dumps(("error", exc))
+                same = str(loads(sent)[1]) == str(exc)
+            except Exception:  # noqa: BLE001 - an error that does not pickle goes as its text
+                same = False
+            if not same:                # nor one that comes back without its message (torch's symbolic errors)
+                sent = dumps(("error", AutospError(f"sp rank 0 could not trace {self.__name__}: "
+                                                   f"{type(exc).__name__}: {exc}")))
+            broadcast_bytes(sent, group)
+            raise
+        try:
+            sent = dumps(("ok", graph))
+        except Exception:  # noqa: BLE001 - each rank traces for itself
+            sent = dumps(("trace",))
+        broadcast_bytes(sent, group)
+        return graph
 
     def _shard(self, graph: Graph, args, shards) -> Graph:
         """The per-rank graph of the global trace `graph` on this mesh."""
@@ -164,7 +205,7 @@ class Sharded:
             shards = self._param_shards(args)          # a DTensor autosp cannot read fails here, on every rank
             paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(args)[0]]
             self._agree(key[1], leaves, paths)
-            _, local = self.graphs(*args, shards=shards)
+            _, local = self.graphs(*args, shards=shards, global_graph=self._shared_trace(args, shards))
             if self.memory_budget is None:
                 hit = (local, lower(local), None, shards)
             else:

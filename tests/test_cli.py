@@ -681,13 +681,14 @@ def test_plan_shards_the_model_state_over_the_ranks(capsys):
 
 
 def test_plan_offloads_within_each_ranks_share_of_the_node_host_memory(tmp_path):
-    """--host-memory is per node, shared by its ranks: with --offload each rank's share caps the plan. Four
+    """--host-memory is per node, shared by its ranks: with --offload each rank's share caps the plan. Two
     layers: one layer's step peaks in its own backward, where nothing offloaded is live (offloading lengthens
-    no plan of it once its checkpoints are found; measured)."""
+    no plan of it once its checkpoints are found; measured). Offloaded, 2 layers reach 19,712 tokens and 4 reach
+    17,024, against 14,848 and 11,008 without (measured): two plan in two thirds of the time."""
     import re
     from autosp.run.answer import longest
     from autosp.run.config import Step
-    (tmp_path / "config.json").write_text(json.dumps(dict(CONFIG, num_hidden_layers=4)))
+    (tmp_path / "config.json").write_text(json.dumps(dict(CONFIG, num_hidden_layers=2)))
     model = str(tmp_path)
     step = Step(model, sp=2, memory="24MiB", device="cuda", offload=True, host_memory="64MiB")
     text = longest(step, parallel=False, check=False).text

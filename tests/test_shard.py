@@ -270,3 +270,47 @@ def _api_job(rank, world):
 
 def test_decorator_cache_and_out_specs():
     run_ranks(_api_job, 4)
+
+
+def _shared_trace_job(rank, world):
+    """Each rank's trace calls, its loss and grads against one device, and what a trace that fails raises."""
+    import autosp
+    import autosp.api as api
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
+    calls, trace = [], api.trace
+
+    def counted(*a, **k):
+        calls.append(1)
+        return trace(*a, **k)
+
+    api.trace = counted
+    try:
+        model, fn, params, args = _case("llama", 45, 0)
+        ref_loss, ref_grads = _reference(fn, params, *args)
+        loss, grads = autosp.value_and_grad(fn, mesh)(params, *args)
+        _close(loss, ref_loss, "loss")
+        for k in params:
+            _close(grads[k], ref_grads[k], f"grad {k}")
+
+        def broken(p, ids, labels):
+            return fn(p, ids, labels) + torch.nonzero(ids).sum()      # a data-dependent shape: no trace
+
+        try:
+            autosp.value_and_grad(broken, mesh)(params, *args)
+            err = None
+        except Exception as exc:  # noqa: BLE001 - compared across ranks
+            err = (type(exc).__name__, str(exc)[:300])
+    finally:
+        api.trace = trace
+    return len(calls), err
+
+
+def test_cpu_ranks_trace_once_per_sp_group_and_share_its_errors():
+    """On gloo (CPU ranks sharing the machine's cores) the sp group's first rank traces and the others receive the
+    trace (the sharding pass still runs on each): exact on every rank; a trace that fails raises the first rank's
+    error on every rank rather than leaving the others waiting."""
+    out = run_ranks(_shared_trace_job, 2)
+    assert [n for n, _ in out] == [2, 0], out             # the working step and the failing one, on rank 0 alone
+    (_, (kind, text)), (_, got) = out
+    assert got == ("AutospError", f"sp rank 0 could not trace broken: {kind}: {text}"[:300]), out
