@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import inspect
 import os
 
@@ -47,6 +49,59 @@ def mesh_info(mesh) -> MeshInfo:
         dp = mesh.get_group("dp")
         info.dp_size, info.dp_group = dist.get_world_size(dp), dp.group_name
     return info
+
+
+def _closed_over(fn, depth: int = 4) -> list[torch.Tensor]:
+    """The tensors `fn` reaches through its closures, bound self, partial arguments and containers: a module's
+    buffers and parameters (what a trace makes its constants)."""
+    out, seen = [], set()
+
+    def visit(obj, d):
+        if d < 0 or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            out.append(obj)
+        elif isinstance(obj, torch.nn.Module):
+            out.extend(t for _, t in obj.named_buffers())
+            out.extend(t for _, t in obj.named_parameters())
+        elif isinstance(obj, (list, tuple)):
+            for x in obj:
+                visit(x, d - 1)
+        elif isinstance(obj, dict):
+            for x in obj.values():
+                visit(x, d - 1)
+        elif isinstance(obj, functools.partial):
+            for x in (obj.func, *obj.args, *obj.keywords.values()):
+                visit(x, d - 1)
+        elif callable(obj):
+            visit(getattr(obj, "__self__", None), d - 1)
+            for cell in getattr(getattr(obj, "__func__", obj), "__closure__", None) or ():
+                try:
+                    visit(cell.cell_contents, d - 1)
+                except ValueError:                      # an empty cell
+                    pass
+
+    visit(fn, depth)
+    return out
+
+
+def _own_constants(graph: Graph, fn) -> Graph:
+    """A trace received from another rank with each constant that is one of this process's own tensors (a
+    module's buffer `fn` closes over: the same dtype, shape, strides and values) taken from here, as this rank's
+    own trace takes it: no second copy of a buffer, and one that changes between steps changes here too."""
+    if not graph.consts:
+        return graph
+    mine: dict = {}
+    for t in _closed_over(fn):
+        if not is_dtensor(t) and t.device.type != "meta":
+            mine.setdefault((t.dtype, tuple(t.shape), t.stride(), t.device), []).append(t.detach())
+    consts = []
+    for v, t in graph.consts:
+        key = (t.dtype, tuple(t.shape), t.stride(), t.device)
+        own = next((c for c in mine.get(key, ()) if torch.equal(c, t)), None)
+        consts.append((v, t if own is None else own))
+    return dataclasses.replace(graph, consts=tuple(consts))
 
 
 class Sharded:
@@ -164,7 +219,7 @@ class Sharded:
             got = loads(broadcast_bytes(None, group))
             if got[0] == "error":
                 raise got[1]
-            return got[1] if got[0] == "ok" else None
+            return _own_constants(got[1], self.fn) if got[0] == "ok" else None
         try:
             graph = self._trace(args, shards)
         except Exception as exc:

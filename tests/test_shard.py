@@ -288,10 +288,14 @@ def _shared_trace_job(rank, world):
     try:
         model, fn, params, args = _case("llama", 45, 0)
         ref_loss, ref_grads = _reference(fn, params, *args)
-        loss, grads = autosp.value_and_grad(fn, mesh)(params, *args)
+        vg = autosp.value_and_grad(fn, mesh)
+        loss, grads = vg(params, *args)
         _close(loss, ref_loss, "loss")
         for k in params:
             _close(grads[k], ref_grads[k], f"grad {k}")
+        (local, *_), = vg.sharded._cache.values()
+        buffers = {t.untyped_storage().data_ptr() for t in model.buffers()}
+        aliased = sum(t.untyped_storage().data_ptr() in buffers for _, t in local.consts)
 
         def broken(p, ids, labels):
             return fn(p, ids, labels) + torch.nonzero(ids).sum()      # a data-dependent shape: no trace
@@ -303,14 +307,16 @@ def _shared_trace_job(rank, world):
             err = (type(exc).__name__, str(exc)[:300])
     finally:
         api.trace = trace
-    return len(calls), err
+    return len(calls), err, aliased
 
 
 def test_cpu_ranks_trace_once_per_sp_group_and_share_its_errors():
     """On gloo (CPU ranks sharing the machine's cores) the sp group's first rank traces and the others receive the
-    trace (the sharding pass still runs on each): exact on every rank; a trace that fails raises the first rank's
-    error on every rank rather than leaving the others waiting."""
+    trace (the sharding pass still runs on each): exact on every rank, each rank's constants its own module's
+    buffers (RoPE's inv_freq: no second copy); a trace that fails (here torch's data-dependent-shape error) raises the
+    first rank's error on every rank rather than leaving the others waiting."""
     out = run_ranks(_shared_trace_job, 2)
-    assert [n for n, _ in out] == [2, 0], out             # the working step and the failing one, on rank 0 alone
-    (_, (kind, text)), (_, got) = out
+    assert [n for n, _, _ in out] == [2, 0], out          # the working step and the failing one, on rank 0 alone
+    assert out[0][2] == out[1][2] > 0, out
+    (_, (kind, text), _), (_, got, _) = out
     assert got == ("AutospError", f"sp rank 0 could not trace broken: {kind}: {text}"[:300]), out
