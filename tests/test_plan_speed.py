@@ -45,9 +45,12 @@ def test_the_probes_lend_the_replays_joint_and_price_as_one_process(tmp_path, mo
 
 
 def test_a_verdict_stops_at_the_first_plan_within_its_budget_with_the_same_verdict(monkeypatch):
-    """plan_step's `enough` (at_length's quick verdicts, autosp plan's checks): the most tiled step's least peak
-    within it, the untiled one not searched; where nothing is within it, the least of all, as without it."""
+    """plan_step's `enough` (at_length's quick verdicts, autosp plan's checks): the most tiled step searched first,
+    the untiled one not where a plan of the first is within it, and the search stops at the first plan within it
+    (no remat, then per-layer checkpointing, before any MIP); where nothing is within it, the least of all, as
+    without it."""
     import autosp.remat as remat
+    import autosp.remat.plan as remat_plan
     from autosp.run import plan
     from autosp.run.meshes import fake_world, planning_mesh
     from autosp.run.models import model_config
@@ -55,6 +58,8 @@ def test_a_verdict_stops_at_the_first_plan_within_its_budget_with_the_same_verdi
     make_plan = remat.make_plan
     monkeypatch.setattr(remat, "make_plan", lambda joint, *a, **k: searched.append(len(joint.graph.eqns))
                         or make_plan(joint, *a, **k))
+    mips, descend = [], remat_plan._descend
+    monkeypatch.setattr(remat_plan, "_descend", lambda *a, **k: mips.append(1) or descend(*a, **k))
     monkeypatch.setenv("AUTOSP_PLAN_CACHE", "off")
     with fake_world(2):
         tracer = plan.Tracer(model_config("tiny"), planning_mesh(2), torch.float32, 1, 2, shard_params=True)
@@ -65,7 +70,20 @@ def test_a_verdict_stops_at_the_first_plan_within_its_budget_with_the_same_verdi
         first = remat.plan_step(local, "least", refine=False, plan_only=True, enough=2 ** 40)[0]
         one = list(searched)
         searched.clear()
+        all_mips = len(mips)
+        mips.clear()
+        at_least = least.peak_bytes + least.const_bytes
+        seeded = remat.plan_step(local, "least", refine=False, plan_only=True, enough=at_least)[0]
+        seeded_mips = len(mips)
+        searched.clear()
         none = remat.plan_step(local, "least", refine=False, plan_only=True, enough=1)[0]
+        searched_none = list(searched)
+        under = remat.plan_step(local, "least", refine=False, plan_only=True, enough=at_least - 1)[0]
     assert len(both) == 2 and one == both[:1], (both, one)        # the tiled step, then the untiled one
     assert first.peak_bytes + first.const_bytes <= 2 ** 40 and first.tiling
-    assert (none.peak_bytes, none.tiling) == (least.peak_bytes, least.tiling) and searched == both
+    assert first.peak_bytes == first.no_remat_peak_bytes         # saving everything is within 1 TiB
+    # the least here is per-layer checkpointing's: within its own bytes, the seeds answer, no MIP is solved
+    assert least.method.startswith("per-layer checkpointing") and all_mips >= 1 and seeded_mips == 0
+    assert seeded.peak_bytes + seeded.const_bytes <= at_least and seeded.method.startswith("per-layer")
+    assert (none.peak_bytes, none.tiling) == (least.peak_bytes, least.tiling) and searched_none == both
+    assert (under.peak_bytes, under.tiling) == (least.peak_bytes, least.tiling)

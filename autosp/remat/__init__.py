@@ -252,7 +252,7 @@ def _plan_now(local, memory_budget, dev, *, host_memory=None, refine: bool = Tru
         boundary, joint = _joint(_tiled(local, ks, chains) if ks else local, kernel)
         later = [] if defer else None
         made = make_plan(joint, budget, dev, offload=offload, host_memory=host_memory, refine=refine,
-                         search=search, deferred=later)
+                         search=search, deferred=later, enough=enough if kind == "least" else None)
 
         def done(made):
             plan, program = made

@@ -264,7 +264,7 @@ def _solve_classes(problem: IlpProblem, classes, budget: float | None, **kw) -> 
 
 def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, host_memory=None,
               template: bool | None = None, refine: bool = True, search: bool = True,
-              deferred: list | None = None) -> tuple[Plan, Program]:
+              deferred: list | None = None, enough: int | None = None) -> tuple[Plan, Program]:
     """The plan for `budget` and its programs. `template`: tie identical layers (template.py);
     None ties them when the problem is large (more than 200 binaries). budget="least": the plan
     with the smallest peak found. With `refine` False the plan is any that fits, not the cheapest
@@ -274,7 +274,9 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, ho
     search (the tiling search asks so of the tilings it passes by). `deferred` (a list): budget="least" with
     `refine` answers the least-peak search's own plan and appends the call that makes the cheapest plan at its peak
     (the cost-minimising solve: the tiling search compares its ends by their least peaks and refines the lower
-    alone)."""
+    alone). `enough` (bytes, with budget="least"): the search stops at the first plan whose simulated peak and
+    constants are within it (a verdict's budget: whether the least is within it is all it asks, and the least is at
+    most that plan's peak)."""
     host = parse_host_memory(host_memory)
     host = host if offload else None              # without a host link nothing is offloaded anyway
     unlimited, needs = build(joint, device, offload=offload)
@@ -311,7 +313,7 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, ho
     if kind == "least":
         # refine False asks for a peak (the planning command's length search): a coarser search
         least = _least(problem, needs, classes, simulated, no_remat, full_x, full, tol=0.005 if refine else 0.02,
-                       seeds=seeds(), narrow=narrow)
+                       seeds=seeds(), narrow=narrow, enough=enough)
 
         def described(least):
             x, prog, peak = least
@@ -416,7 +418,7 @@ def _host_shortfall(problem, unlimited, needs, classes, simulated, least_x, host
 
 
 def _least(problem, needs, classes, simulated, no_remat, full_x, full, tol: float = 0.005, rounds: int = 2,
-           seeds=(), narrow=None):
+           seeds=(), narrow=None, enough: int | None = None):
     """(x, program, peak) of the lowest simulated peak found: `seeds` (assignments: per-layer
     checkpointing at the program's cuts, cuts.py), then peak-minimising MIPs with the memory
     placed for a set of recomputations (none, then each answer's own, `rounds` times); where they
@@ -426,14 +428,25 @@ def _least(problem, needs, classes, simulated, no_remat, full_x, full, tol: floa
     The placement is a model: an answer that recomputes other equations may peak elsewhere, so the
     simulation of each answer's program judges, and the lowest is kept. Every solve starts from the
     memory rows the others needed (a row holds at every budget and placement). Deterministic: the
-    same search wherever it is asked."""
+    same search wherever it is asked. `enough`: the first plan whose peak and constants are within these bytes
+    ends the search (the seeds in their order, then the MIPs' answer before the bisection)."""
     known: set[int] = set()
     best = (full_x, full, no_remat)
     best_how = None
+
+    def within(found):
+        return enough is not None and found[2] + const_bytes(found[1]) <= enough
+
+    if within(best):                    # saving everything is within it
+        needs.place(problem, problem.recomputed(full_x))
+        return best
     for how, x in seeds:
         prog, peak = simulated(x)
         if peak < best[2]:
             best, best_how = (x, prog, peak), how
+            if within(best):
+                needs.place(problem, problem.recomputed(x))
+                return best
     y = narrow(best_how, best[0]) if narrow is not None and best_how is not None else None
     if y is not None:                   # the best seed keeping the narrow values too (cuts.with_narrow)
         prog, peak = simulated(y)
@@ -441,7 +454,7 @@ def _least(problem, needs, classes, simulated, no_remat, full_x, full, tol: floa
             best = (y, prog, peak)
     seeded = best
     best = _descend(problem, needs, classes, simulated, best, frozenset(), rounds, known)
-    if best is seeded and seeded[0] is not full_x:
+    if (best is seeded and seeded[0] is not full_x) or within(best):
         # per-layer checkpointing beat the MIPs: the bisection, which refines the MIPs' model below their
         # answer, found nothing lower in any problem measured (bench/RESULTS.md) and took seconds
         needs.place(problem, problem.recomputed(best[0]))

@@ -380,7 +380,7 @@ def longest(step: Step, *, parallel: bool = True, granularity: int | None = None
             plan = fit.least_plan[0]
             seconds, comm, saved = fit.least_split or _split(fit)
             rows[2] = Row(rows[2].name, length, plan.peak_bytes + fit.tokens, comm,
-                          f"the least-peak plan autosp train's verdict finds at {length:,} ({fmt(plan.peak_bytes)}"
+                          f"the plan autosp train's verdict finds within the budget at {length:,} ({fmt(plan.peak_bytes)}"
                           + (f", by {plan.method}" if plan.method != "ILP" else "")
                           + (f"; it tiles {', '.join(_tiled_names(plan.tiling))}" if plan.tiling else "")
                           + ("; attention backward by autosp's kernel" if plan.attention_backward != "sdpa" else "")
@@ -469,8 +469,8 @@ def _by_verdicts(step: Step, granule: int, start: int, head: list[str], why: str
     if fit is None or fit.least is None:
         fit = at_length(best, with_longest=False, quick=True)
     lines += [f"longest trainable sequence (tokens per sequence, a multiple of {granule}): {length:,} tokens fit in "
-              f"{fmt(step.memory_bytes)} per rank: the least peak train's planner reaches there is {fmt(fit.least)} "
-              f"of the {fmt(fit.budget)} --memory leaves the step (model state {fmt(fit.state.resident)}, token ids "
+              f"{fmt(step.memory_bytes)} per rank: train's planner reaches a peak of {fmt(fit.least)} there, within "
+              f"the {fmt(fit.budget)} --memory leaves the step (model state {fmt(fit.state.resident)}, token ids "
               f"{fmt(fit.tokens)}). Planned in {time.perf_counter() - t_start:.0f} s.",
               f"\n{note}\ntrain it (it plans the step again before its first one, within --memory):\n"
               f"  {best.train_command()}"]
@@ -732,8 +732,9 @@ def at_length(step: Step, *, with_longest: bool = True, parallel: bool = True, q
     the planner reaches at this length (its least-peak search, as `autosp plan` runs it, on the step tiled as far
     as it goes and untiled: the lower) within that budget. Train's planner then finds a plan within it (the
     same search at the same tilings, finer). `quick`: the verdict alone, without the plan train runs; its least
-    peak is then the first searched within the budget (the most tiled step with the backend's attention backward
-    first), the others searched only where none is: the same verdict, the fits' excess not the least's."""
+    peak is then that of the first plan found within the budget (the most tiled step with the backend's attention
+    backward first, per-layer checkpointing before the MIPs), the rest searched only where none is: the same
+    verdict (the least is at most that plan's peak), the fits' excess not the least's."""
     from autosp.remat import plan_step
     if step.seq_len is None:
         raise AutospError("autosp plan: at_length needs --seq-len. Fix: pass --seq-len, or plan the longest length.")
