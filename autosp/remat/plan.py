@@ -429,7 +429,8 @@ def _least(problem, needs, classes, simulated, no_remat, full_x, full, tol: floa
     simulation of each answer's program judges, and the lowest is kept. Every solve starts from the
     memory rows the others needed (a row holds at every budget and placement). Deterministic: the
     same search wherever it is asked. `enough`: the first plan whose peak and constants are within these bytes
-    ends the search (the seeds in their order, then the MIPs' answer before the bisection)."""
+    ends the search, in the search's own order (no remat, the seeds, the MIPs' answers, the bisection's plans): the
+    least the whole search would find is at most that plan's peak."""
     known: set[int] = set()
     best = (full_x, full, no_remat)
     best_how = None
@@ -452,24 +453,31 @@ def _least(problem, needs, classes, simulated, no_remat, full_x, full, tol: floa
         prog, peak = simulated(y)
         if peak < best[2]:
             best = (y, prog, peak)
+            if within(best):
+                needs.place(problem, problem.recomputed(y))
+                return best
     seeded = best
-    best = _descend(problem, needs, classes, simulated, best, frozenset(), rounds, known)
+    best = _descend(problem, needs, classes, simulated, best, frozenset(), rounds, known, within)
     if (best is seeded and seeded[0] is not full_x) or within(best):
         # per-layer checkpointing beat the MIPs: the bisection, which refines the MIPs' model below their
         # answer, found nothing lower in any problem measured (bench/RESULTS.md) and took seconds
         needs.place(problem, problem.recomputed(best[0]))
         return best
-    bisected = _bisect(problem, needs, classes, simulated, best, tol, known)
-    if bisected[2] < best[2]:
-        best = _descend(problem, needs, classes, simulated, bisected, problem.recomputed(bisected[0]), rounds, known)
+    bisected = _bisect(problem, needs, classes, simulated, best, tol, known, within)
+    if bisected[2] < best[2] and not within(bisected):
+        best = _descend(problem, needs, classes, simulated, bisected, problem.recomputed(bisected[0]), rounds, known,
+                        within)
+    elif bisected[2] < best[2]:
+        best = bisected
     needs.place(problem, problem.recomputed(best[0]))
     return best
 
 
-def _descend(problem, needs, classes, simulated, best, placed, rounds, known):
+def _descend(problem, needs, classes, simulated, best, placed, rounds, known, stop=lambda found: False):
     """The best of `best` and the peak-minimising MIPs placed for `placed`, then for each answer's set,
     while they beat `best`: a first answer above it (per-layer checkpointing's, on every model planned
-    at scale) was never beaten by the next round's (bench/RESULTS.md), which cost a second of HiGHS."""
+    at scale) was never beaten by the next round's (bench/RESULTS.md), which cost a second of HiGHS. `stop(found)`:
+    true ends the descent at that answer (_least's `enough`)."""
     seen = set()
     for _ in range(rounds):
         needs.place(problem, placed)
@@ -482,7 +490,7 @@ def _descend(problem, needs, classes, simulated, best, placed, rounds, known):
             break
         best = (x, prog, peak)
         nxt = problem.recomputed(x)
-        if nxt == placed or nxt in seen:
+        if nxt == placed or nxt in seen or stop(best):
             break
         seen.add(placed)
         placed = nxt
@@ -492,9 +500,10 @@ def _descend(problem, needs, classes, simulated, best, placed, rounds, known):
 LEAST_GAP = 0.05    # the peak-minimising MIPs stop within 5 %: the placement's error is larger than that
 
 
-def _bisect(problem, needs, classes, simulated, best, tol, known):
+def _bisect(problem, needs, classes, simulated, best, tol, known, stop=lambda found: False):
     """(x, program, peak): `best` or a lower peak found by bisection on the budget below it, down to
-    the tolerance `tol` of the peak (feasibility solves, each placed for its own recomputations)."""
+    the tolerance `tol` of the peak (feasibility solves, each placed for its own recomputations); `stop(found)`
+    true ends it at that plan."""
     lo, hi = float(np.max(problem.base)), float(best[2])
     while hi - lo > tol * hi:
         mid = (lo + hi) / 2
@@ -507,6 +516,8 @@ def _bisect(problem, needs, classes, simulated, best, tol, known):
         prog, peak = simulated(x)
         if peak < best[2]:
             best = (x, prog, peak)
+            if stop(best):
+                break
         hi = min(mid, peak) if peak <= mid else mid
     return best
 
