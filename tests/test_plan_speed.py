@@ -81,7 +81,7 @@ def test_a_verdict_stops_at_the_first_plan_within_its_budget_with_the_same_verdi
         under = remat.plan_step(local, "least", refine=False, plan_only=True, enough=at_least - 1)[0]
     assert len(both) == 2 and one == both[:1], (both, one)        # the tiled step, then the untiled one
     assert first.peak_bytes + first.const_bytes <= 2 ** 40 and first.tiling
-    assert first.peak_bytes == first.no_remat_peak_bytes         # saving everything is within 1 TiB
+    assert first.peak_bytes == first.no_remat_peak_bytes and first.method == "saving everything"   # within 1 TiB
     # the least here is per-layer checkpointing's: within its own bytes, the seeds answer, no MIP is solved
     assert least.method.startswith("per-layer checkpointing") and all_mips >= 1 and seeded_mips == 0
     assert seeded.peak_bytes + seeded.const_bytes <= at_least and seeded.method.startswith("per-layer")

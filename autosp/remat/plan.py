@@ -76,7 +76,7 @@ class Plan:
     offload_seconds: float = 0.0         # the host transfers' modelled time (out and back, on a side stream)
     host_memory_bytes: int | None = None     # the host capacity per rank the plan was held to (None: no limit)
     tiling: tuple[tuple[str, int, int, int], ...] = ()   # (chain, k tiles, widest value whole, per tile)
-    method: str = "ILP"                  # how it was found: the ILP, or per-layer checkpointing (cuts.py)
+    method: str = "ILP"                  # how it was found: the ILP, per-layer checkpointing (cuts.py), no remat
     stored: str | None = None            # the plan cache's file it was read from (store.py); None: planned here
     attention_backward: str = "sdpa"     # the attention backward's kernel: SDPA's backend, or autosp's
                                          # (passes/attention_backward.py)
@@ -317,8 +317,9 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, ho
 
         def described(least):
             x, prog, peak = least
-            return _describe(problem, joint, x, prog, no_remat, int(peak), int(peak), device, host,
-                             _method(x, found), peak=peak), prog
+            how = "saving everything" if x is full_x else _method(x, found)     # `enough` at or above no remat
+            return _describe(problem, joint, x, prog, no_remat, int(peak), int(peak), device, host, how,
+                             peak=peak), prog
         if refine and deferred is not None:
             deferred.append(lambda: described(_cheapest_at(problem, needs, classes, simulated, least)))
         elif refine:

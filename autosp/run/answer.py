@@ -380,7 +380,8 @@ def longest(step: Step, *, parallel: bool = True, granularity: int | None = None
             plan = fit.least_plan[0]
             seconds, comm, saved = fit.least_split or _split(fit)
             rows[2] = Row(rows[2].name, length, plan.peak_bytes + fit.tokens, comm,
-                          f"the plan autosp train's verdict finds within the budget at {length:,} ({fmt(plan.peak_bytes)}"
+                          f"the plan autosp train's verdict finds within the budget at {length:,} "
+                          f"({fmt(plan.peak_bytes)}"
                           + (f", by {plan.method}" if plan.method != "ILP" else "")
                           + (f"; it tiles {', '.join(_tiled_names(plan.tiling))}" if plan.tiling else "")
                           + ("; attention backward by autosp's kernel" if plan.attention_backward != "sdpa" else "")
