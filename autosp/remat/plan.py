@@ -312,8 +312,9 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, ho
 
     if kind == "least":
         # refine False asks for a peak (the planning command's length search): a coarser search
+        within = None if enough is None else (lambda found: found[2] + const_bytes(found[1]) <= enough)
         least = _least(problem, needs, classes, simulated, no_remat, full_x, full, tol=0.005 if refine else 0.02,
-                       seeds=seeds(), narrow=narrow, enough=enough)
+                       seeds=seeds(), narrow=narrow, stop=within)
 
         def described(least):
             x, prog, peak = least
@@ -350,15 +351,16 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, ho
         raise BudgetError(f"autosp remat: memory_budget={budget!r} ({_fmt(target)} per rank): the budget's solves "
                           "found no plan (the least-peak search was not asked for).")
     if best is None:
-        # the smallest peak the planner reaches (_least: per-layer checkpointing, peak-minimising MIPs and a
-        # bisection, judged by simulation); its plan is used if it fits, else the budget is refused
-        # the same search as memory_budget="least" (its own rows: the least it reports is then accepted)
-        least = _least(problem, needs, classes, simulated, no_remat, full_x, full, seeds=seeds(), narrow=narrow)
+        # the search of memory_budget="least" (_least: per-layer checkpointing, peak-minimising MIPs and a
+        # bisection, judged by simulation; its own rows), stopped at its first plan within the budget (the least it
+        # would go on to is lower still); refused, it ran whole, and its least is said
+        least = _least(problem, needs, classes, simulated, no_remat, full_x, full, seeds=seeds(), narrow=narrow,
+                       stop=lambda found: found[2] <= target)
         least_peak = least[2]
         if least_peak <= target:
+            least_peak = None
             if refine:
                 least = _cheapest_at(problem, needs, classes, simulated, least)
-                least_peak = least[2]
         else:
             short = _host_shortfall(problem, unlimited, needs, classes, simulated, least[0], host, target)
             held = f" within host_memory={host} bytes per rank ({_fmt(host)})" if host is not None else ""
@@ -419,7 +421,7 @@ def _host_shortfall(problem, unlimited, needs, classes, simulated, least_x, host
 
 
 def _least(problem, needs, classes, simulated, no_remat, full_x, full, tol: float = 0.005, rounds: int = 2,
-           seeds=(), narrow=None, enough: int | None = None):
+           seeds=(), narrow=None, stop=None):
     """(x, program, peak) of the lowest simulated peak found: `seeds` (assignments: per-layer
     checkpointing at the program's cuts, cuts.py), then peak-minimising MIPs with the memory
     placed for a set of recomputations (none, then each answer's own, `rounds` times); where they
@@ -429,15 +431,15 @@ def _least(problem, needs, classes, simulated, no_remat, full_x, full, tol: floa
     The placement is a model: an answer that recomputes other equations may peak elsewhere, so the
     simulation of each answer's program judges, and the lowest is kept. Every solve starts from the
     memory rows the others needed (a row holds at every budget and placement). Deterministic: the
-    same search wherever it is asked. `enough`: the first plan whose peak and constants are within these bytes
-    ends the search, in the search's own order (no remat, the seeds, the MIPs' answers, the bisection's plans): the
-    least the whole search would find is at most that plan's peak."""
+    same search wherever it is asked. `stop(found)`: true ends the search at that plan, in the search's own order (no
+    remat, the seeds, the MIPs' answers, the bisection's plans): a plan within a budget (make_plan's `enough`, or the
+    budget whose solves found none), which the least the whole search would find is at most."""
     known: set[int] = set()
     best = (full_x, full, no_remat)
     best_how = None
 
     def within(found):
-        return enough is not None and found[2] + const_bytes(found[1]) <= enough
+        return stop is not None and stop(found)
 
     if within(best):                    # saving everything is within it
         needs.place(problem, problem.recomputed(full_x))
