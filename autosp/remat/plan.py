@@ -352,10 +352,11 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, ho
                           "found no plan (the least-peak search was not asked for).")
     if best is None:
         # the search of memory_budget="least" (_least: per-layer checkpointing, peak-minimising MIPs and a
-        # bisection, judged by simulation; its own rows), stopped at its first plan within the budget (the least it
-        # would go on to is lower still); refused, it ran whole, and its least is said
+        # bisection, judged by simulation; its own rows), stopped at its first plan within the budget with the
+        # programs' constants (as a verdict stops: the least it would go on to is lower still); refused, it ran
+        # whole, and its least is said
         least = _least(problem, needs, classes, simulated, no_remat, full_x, full, seeds=seeds(), narrow=narrow,
-                       stop=lambda found: found[2] <= target)
+                       stop=lambda found: found[2] + const_bytes(found[1]) <= target)
         least_peak = least[2]
         if least_peak <= target:
             least_peak = None
