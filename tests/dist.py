@@ -89,14 +89,22 @@ def _run_fresh(fn, world: int, *args, timeout: float = 300):
     return [results[r] for r in range(world)]
 
 
-def _pool_worker(rank, world, port, inbox, outbox):
+def _pool_worker(rank, world, port, inbox, outbox, parent):
     import torch
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        while (job := inbox.get()) is not None:
+        while True:
+            try:
+                job = inbox.get(timeout=5)
+            except queue.Empty:         # a pytest worker that ends without its exit handlers leaves no one to ask
+                if os.getppid() != parent:
+                    break
+                continue
+            if job is None:
+                break
             fn, args = job
             try:
                 outbox.put((rank, "ok", fn(rank, world, *args)))
@@ -115,8 +123,8 @@ class RankPool:
         self.world, self.outbox = world, ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world)]
         port = _free_port()
-        self.procs = [ctx.Process(target=_pool_worker, args=(r, world, port, self.inboxes[r], self.outbox))
-                      for r in range(world)]
+        args = [(r, world, port, self.inboxes[r], self.outbox, os.getpid()) for r in range(world)]
+        self.procs = [ctx.Process(target=_pool_worker, args=a) for a in args]
         for p in self.procs:
             p.start()
 
