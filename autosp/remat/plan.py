@@ -206,6 +206,12 @@ def const_bytes(program: Program) -> int:
     return sum(seen.values())
 
 
+def _within(limit: int):
+    """found -> whether a (x, program, peak) found by a search is within `limit` bytes with its program's constants
+    (as a verdict counts them): where _least may stop."""
+    return lambda found: found[2] + const_bytes(found[1]) <= limit
+
+
 def _distinct_bytes(vs, exclude=()) -> int:
     seen, total = set(), 0
     for v in vs:
@@ -312,7 +318,7 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, ho
 
     if kind == "least":
         # refine False asks for a peak (the planning command's length search): a coarser search
-        within = None if enough is None else (lambda found: found[2] + const_bytes(found[1]) <= enough)
+        within = None if enough is None else _within(enough)
         least = _least(problem, needs, classes, simulated, no_remat, full_x, full, tol=0.005 if refine else 0.02,
                        seeds=seeds(), narrow=narrow, stop=within)
 
@@ -356,7 +362,7 @@ def make_plan(joint: Joint, budget, device: Device, *, offload: bool = False, ho
         # programs' constants (as a verdict stops: the least it would go on to is lower still); refused, it ran
         # whole, and its least is said
         least = _least(problem, needs, classes, simulated, no_remat, full_x, full, seeds=seeds(), narrow=narrow,
-                       stop=lambda found: found[2] + const_bytes(found[1]) <= target)
+                       stop=_within(target))
         least_peak = least[2]
         if least_peak <= target:
             least_peak = None
@@ -439,9 +445,7 @@ def _least(problem, needs, classes, simulated, no_remat, full_x, full, tol: floa
     best = (full_x, full, no_remat)
     best_how = None
 
-    def within(found):
-        return stop is not None and stop(found)
-
+    within = stop or (lambda found: False)
     if within(best):                    # saving everything is within it
         needs.place(problem, problem.recomputed(full_x))
         return best
@@ -468,11 +472,9 @@ def _least(problem, needs, classes, simulated, no_remat, full_x, full, tol: floa
         needs.place(problem, problem.recomputed(best[0]))
         return best
     bisected = _bisect(problem, needs, classes, simulated, best, tol, known, within)
-    if bisected[2] < best[2] and not within(bisected):
-        best = _descend(problem, needs, classes, simulated, bisected, problem.recomputed(bisected[0]), rounds, known,
-                        within)
-    elif bisected[2] < best[2]:
-        best = bisected
+    if bisected[2] < best[2]:
+        best = bisected if within(bisected) else _descend(problem, needs, classes, simulated, bisected,
+                                                          problem.recomputed(bisected[0]), rounds, known, within)
     needs.place(problem, problem.recomputed(best[0]))
     return best
 
