@@ -257,8 +257,10 @@ def _warn_positions(step) -> None:
     """A length beyond the model's positions with no RoPE scaling trains positions it never saw: say so, with the flag."""
     if step.rope_scaling is not None or os.environ.get("AUTOSP_LAUNCHED"):
         return
-    from autosp.run.models import spec_of
-    positions = int(getattr(spec_of(step).config, "max_position_embeddings", 0) or 0)
+    from autosp.run.models import peek_positions, spec_of
+    positions = peek_positions(step.model)           # transformers' import is 2-3 s of the launcher's CPU
+    if positions is None:
+        positions = int(getattr(spec_of(step).config, "max_position_embeddings", 0) or 0)
     if positions and step.seq_len > positions:
         print(f"autosp: warning: --seq-len {step.seq_len:,} is beyond the model's {positions:,} positions and no "
               f"--rope-scaling is set. Fix: --rope-scaling yarn:{-(-step.seq_len // positions)} (or linear, dynamic, "

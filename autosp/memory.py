@@ -89,7 +89,7 @@ class _Ledger:
             for c in ev.children:
                 walk(c, collective)
 
-        for root in prof.profiler.kineto_results.experimental_event_tree():
+        for root in prof.kineto_results.experimental_event_tree():
             walk(root, None)
         events.sort(key=lambda e: e[0])
         live: dict[int, tuple[int, int | None]] = {}
@@ -116,9 +116,11 @@ class _Session:
     """One profiler session recording allocation events, quiet on the terminal."""
 
     def __init__(self, ledger: _Ledger | None = None):
-        from torch.profiler import ProfilerActivity, profile
+        # the autograd profiler that torch.profiler.profile wraps: entering that one asks hasattr(torch, "_inductor"),
+        # which imports inductor and dynamo (2.4 s of every rank's first step)
+        from torch.autograd.profiler import profile
         self.ledger = ledger or _Ledger()
-        self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.prof = profile(use_kineto=True, profile_memory=True, use_cpu=True)
         with _quiet_stderr():
             self.prof.__enter__()
 

@@ -302,6 +302,7 @@ def lift(gm: torch.fx.GraphModule, inputs, in_spec=None, out_spec=None, static=(
             args = torch.fx.node.map_arg(node.args, env.__getitem__)
             kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
             val = node.meta.get("val")
+            _refuse_data_dependent_shape(node, val)
             multi = isinstance(val, (tuple, list))
             outs = tuple(new_var(x) for x in val) if multi else (() if val is None else (new_var(val),))
             eqns.append(Eqn.make(op_for(node.target), args, kwargs, outs, multi=multi,
@@ -312,6 +313,20 @@ def lift(gm: torch.fx.GraphModule, inputs, in_spec=None, out_spec=None, static=(
         else:
             raise TraceError(f"autosp.trace: unexpected fx node {node.format_node()}")
     return Graph(tuple(inputs), tuple(eqns), outputs, in_spec, out_spec, tuple(consts), tuple(static))
+
+
+def _refuse_data_dependent_shape(node: torch.fx.Node, val) -> None:
+    """TraceError where an op's result has a size that its input values decide (nonzero, masked_select, boolean
+    indexing, unique): the trace holds it as an unbacked symbol, and no program of fixed shapes can run it."""
+    for x in val if isinstance(val, (tuple, list)) else (val,):
+        if isinstance(x, torch.Tensor) and not all(isinstance(d, int) for d in x.shape):
+            where = user_frame(node.meta.get("stack_trace")) or "<unknown>"
+            name = getattr(node.target, "__name__", str(node.target))
+            raise TraceError(
+                f"autosp.trace: aten.{name} at {where} makes a tensor of shape {[str(d) for d in x.shape]}, whose size "
+                "depends on the values of its input, so the program cannot be planned or sharded before it runs. "
+                "Fix: keep shapes fixed (torch.where(mask, x, 0) or a masked sum instead of nonzero, masked_select "
+                "or boolean indexing), or compute the indices outside the traced function and pass them in.")
 
 
 def user_frame(stack_trace: str | None) -> str | None:

@@ -123,6 +123,12 @@ def test_trace_errors_name_the_line_and_fix():
     with pytest.raises(autosp.AutospError, match=r"item"):
         autosp.trace(item, torch.randn(3))
 
+    def selected(x):                        # a size the values decide: nonzero, boolean indexing
+        return x[torch.nonzero(x > 0)[:, 0]].sum() + x[x < 0].sum()
+
+    with pytest.raises(autosp.AutospError, match=r"(?s)aten.nonzero.*test_ir.py:\d+ in selected.*\['u0', '1'\].*Fix"):
+        autosp.trace(selected, torch.randn(3))
+
     with pytest.raises(autosp.AutospError, match=r"object.*pytrees"):
         autosp.trace(lambda x, o: x, torch.randn(3), object())
 

@@ -313,10 +313,11 @@ def _shared_trace_job(rank, world):
 def test_cpu_ranks_trace_once_per_sp_group_and_share_its_errors():
     """On gloo (CPU ranks sharing the machine's cores) the sp group's first rank traces and the others receive the
     trace (the sharding pass still runs on each): exact on every rank, each rank's constants its own module's
-    buffers (RoPE's inv_freq: no second copy); a trace that fails (here torch's data-dependent-shape error) raises the
-    first rank's error on every rank rather than leaving the others waiting."""
+    buffers (RoPE's inv_freq: no second copy); a trace that fails (here a data-dependent shape, autosp.trace's
+    TraceError) raises the first rank's error on every rank rather than leaving the others waiting."""
     out = run_ranks(_shared_trace_job, 2)
     assert [n for n, _, _ in out] == [2, 0], out          # the working step and the failing one, on rank 0 alone
     assert out[0][2] == out[1][2] > 0, out
     (_, (kind, text), _), (_, got, _) = out
-    assert got == ("AutospError", f"sp rank 0 could not trace broken: {kind}: {text}"[:300]), out
+    # autosp.trace's TraceError names the op and the line: the other rank raises it as it is
+    assert kind == "TraceError" and "aten.nonzero" in text and got == (kind, text), out

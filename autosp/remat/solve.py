@@ -13,8 +13,6 @@ import os
 import sys
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from autosp.remat.problem import IlpProblem
 
@@ -79,6 +77,13 @@ TIME_LIMIT = 20.0   # seconds per MIP; past it HiGHS's best answer so far is tak
 _LIMITED = [0]      # MIPs of this process ended by their time limit: a plan made with one is not kept (store.py)
 
 
+def milp(c, **kwargs):
+    """scipy.optimize.milp, imported at the first MIP: scipy's import is a second of every process that imports
+    autosp.remat, and a rank that receives its plan never solves one."""
+    from scipy.optimize import milp as scipy_milp
+    return scipy_milp(c, **kwargs)
+
+
 def time_limits() -> int:
     """How many MIPs of this process have ended by their time limit so far."""
     return _LIMITED[0]
@@ -86,6 +91,8 @@ def time_limits() -> int:
 
 def _solve_rows(p: IlpProblem, rows: set[int], budget: float | None, minimize_peak: bool, gap: float = GAP,
                 feasibility: bool = False, time_limit: float | None = None, node_limit: int | None = None):
+    from scipy.optimize import Bounds, LinearConstraint
+    from scipy.sparse import coo_matrix
     nb, n = p.n_bin, p.n_vars
     cost = np.nan_to_num(p.cost, posinf=0.0)
     ub = np.concatenate([np.where(np.isinf(p.cost), 0.0, 1.0), np.ones(n - nb)])

@@ -26,17 +26,18 @@ import shutil
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
 
 from autosp.run import faults
-from autosp.run.optim import OffloadedAdamW
+
+# torch.distributed.checkpoint is imported where a checkpoint is written or read: importing it took 1-3 s of each
+# launched process, and the launcher only lists checkpoints (py-spy, bench/RESULTS.md "The suite's time")
 
 _STEP = re.compile(r"step-(\d+)$")
 
 
 def _writer(path: str, step: int):
+    import torch.distributed.checkpoint as dcp
+
     class Writer(dcp.FileSystemWriter):
         """FileSystemWriter with the fault hook between this rank's data and the metadata."""
 
@@ -63,14 +64,19 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _options(model) -> StateDictOptions:
-    """What a checkpoint holds of the model: every parameter, or with LoRA's frozen base (run/lora.py) only the
-    parameters that train (the base is rebuilt from the model folder or the seed, as the run record says)."""
+def _options(model):
+    """What a checkpoint holds of the model (StateDictOptions): every parameter, or with LoRA's frozen base
+    (run/lora.py) only the parameters that train (the base is rebuilt from the model folder or the seed, as the run
+    record says)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
     frozen = any(not p.requires_grad for p in model.parameters())
     return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
 def _state(model, opt, extra: dict) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    from autosp.run.optim import OffloadedAdamW
     if isinstance(opt, OffloadedAdamW):               # the weights are the fp32 masters (the device may hold bf16)
         msd = {**get_model_state_dict(model, options=_options(model)), **opt.named_masters(model)}
         osd = opt.named_state()
@@ -87,6 +93,7 @@ def save(out: str, step: int, model, opt, extra: dict) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
+    import torch.distributed.checkpoint as dcp
     dcp.save(_state(model, opt, extra), storage_writer=_writer(tmp, step))
     dist.barrier()
     if dist.get_rank() == 0:
@@ -118,6 +125,10 @@ def latest(out: str) -> str | None:
 def load(path: str, model, opt, extra: dict) -> dict:
     """Restore model, optimizer and this rank's RNG from `path`; returns the training state
     (`extra` gives its structure)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from autosp.run.optim import OffloadedAdamW
     state = _state(model, opt, extra)
     rank = dist.get_rank()
     key = f"rng.rank{rank}"

@@ -164,6 +164,19 @@ def peek_vocab(name: str) -> int:
                           f"{exc}). Fix: pass a Hugging Face config.json (model_type, vocab_size, ...).") from None
 
 
+def peek_positions(name: str) -> int | None:
+    """The positions (max_position_embeddings) of a preset or config path, read without importing transformers where
+    the file says them; None where only transformers' defaults would (the launcher's warning then builds the config)."""
+    if name in PRESETS:
+        return PRESETS[name].max_positions
+    try:
+        with open(_config_file(name)) as f:
+            value = json.load(f).get("max_position_embeddings")
+        return int(value) if value is not None else None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
 def _config_from_path(path: str):
     file = _config_file(path)
     folder = os.path.dirname(file) or "."

@@ -582,6 +582,7 @@ def _both(first, second, parallel: bool = True):
     from autosp.remat.solve import time_limits
     if not parallel or not hasattr(os, "fork"):
         return first(), second()
+    import scipy.optimize  # noqa: F401 - both sides solve MIPs: imported once, before the fork (solve.milp)
     r, w = os.pipe()
     gc.freeze()             # the child's collections leave what it inherits unscanned (and its pages unshared)
     pid = os.fork()
