@@ -90,6 +90,38 @@ def test_remat_is_exact_at_every_budget(dims):
     assert len(set(plans[0])) == len(plans[0])          # different budgets, different plans
 
 
+def _derived_job(rank, world):
+    """How many times this rank differentiated its step, and its errors against one device."""
+    import autosp.passes.autodiff as autodiff
+    import autosp.remat as remat
+    from torch.distributed.device_mesh import init_device_mesh
+    from tests.models import rank_errors
+    remat._JOINTS.clear()                    # nothing kept from the pool's earlier jobs
+    calls, real = [], autodiff.differentiate
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    autodiff.differentiate = counted
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
+        _, fn, params, args = _model(s=67)
+        ref_loss, ref_grads = _reference(fn, params, *args)
+        loss, grads = autosp.value_and_grad(fn, mesh, memory_budget=0.5)(params, *args)
+    finally:
+        autodiff.differentiate = real
+    return len(calls), rank_errors(loss, grads, ref_loss, ref_grads)
+
+
+def test_the_planning_ranks_joint_is_re_instantiated_by_the_others():
+    """The rank that plans sends the joint it derived with its plan; the others re-instantiate it on their own step
+    (passes/rescale.py) rather than differentiate it again (the tiny preset's step: 2.1 s a rank), exactly."""
+    from tests.models import assert_every_rank
+    out = run_ranks(_derived_job, 2)
+    assert out[0][0] >= 1 and out[1][0] == 0, out
+    assert_every_rank([{"memory_budget 0.5": errors} for _, errors in out])
+
+
 def _memory_job(rank, world, s, budgets, ring=None, least_bytes=True, layers=4, threads=None):
     """Per budget: (budget, measured peak, plan.peak_bytes, no-remat peak, bytes the plan offloads, bytes the host
     pool grew by over the compile and the measured step); `ring` as autosp.shard's. A budget ("least", host

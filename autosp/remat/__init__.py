@@ -376,17 +376,36 @@ def compile_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=No
             plan, program, joint, boundary, ks = _planned(local, memory_budget, dev, host_memory=host_memory,
                                                           tiles=tiles, attention=attention)
             recomputed = _recomputed(joint, program)
-            box = [(plan, tuple(program.saved), recomputed, tuple(program.offloaded), ks)]
+            box = [(plan, tuple(program.saved), recomputed, tuple(program.offloaded), ks, _joint_of(boundary, local))]
         except Exception as exc:  # noqa: BLE001 - every rank raises what the planning rank raised
             box = [exc]
     box = [broadcast_object(box[0], pg)]
     if isinstance(box[0], Exception):
         raise box[0]
     if dist.get_rank(pg) != 0:                   # the same tiling, then the same plan
-        plan, program, joint, boundary, _ = _applied(local, *box[0])
+        sent = box[0][5]                         # the planning rank's joint, re-instantiated on this rank's step
+        if sent is not None and sent[0] == _printed_digest(local):
+            adopt_joints(sent[1])
+        plan, program, joint, boundary, _ = _applied(local, *box[0][:5])
     else:                                        # applied as the others apply it
         program = apply_plan(joint, *box[0][1:4])
     return plan, Runner(program, joint, boundary, compiled, dev.name)
+
+
+def _joint_of(boundary, local) -> tuple[str, bytes] | None:
+    """The joint the planning rank derived for the step it planned (export_joints' form) with the digest of its step as
+    printed, for the other ranks of its group: a rank whose step prints the same (the same program, its constants its
+    own) re-instantiates it (joint_of: passes/rescale.py, a fraction of differentiating it; the tiny preset's step
+    0.3 s against 2.1 s a rank); one whose step differs (another dp row's group names, a ring's rank-dependent
+    arguments) differentiates its own. None where it is not kept."""
+    from autosp.ir.serial import dumps
+    mine = [entry for entry in _JOINTS.values() if entry[0] is boundary]
+    return (_printed_digest(local), dumps(mine[-1:])) if mine else None
+
+
+def _printed_digest(graph) -> str:
+    import hashlib
+    return hashlib.sha256(str(graph).encode()).hexdigest()
 
 
 def _recomputed(joint, program) -> tuple[int, ...]:
