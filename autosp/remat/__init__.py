@@ -376,7 +376,8 @@ def compile_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=No
             plan, program, joint, boundary, ks = _planned(local, memory_budget, dev, host_memory=host_memory,
                                                           tiles=tiles, attention=attention)
             recomputed = _recomputed(joint, program)
-            box = [(plan, tuple(program.saved), recomputed, tuple(program.offloaded), ks, _joint_of(boundary, local))]
+            box = [(plan, tuple(program.saved), recomputed, tuple(program.offloaded), ks,
+                    _joint_to_send(boundary, local))]
         except Exception as exc:  # noqa: BLE001 - every rank raises what the planning rank raised
             box = [exc]
     box = [broadcast_object(box[0], pg)]
@@ -392,7 +393,7 @@ def compile_step(local, memory_budget, *, device: str = "cpu", host_bandwidth=No
     return plan, Runner(program, joint, boundary, compiled, dev.name)
 
 
-def _joint_of(boundary, local) -> tuple[str, bytes] | None:
+def _joint_to_send(boundary, local) -> tuple[str, bytes] | None:
     """The joint the planning rank derived for the step it planned (export_joints' form) with the digest of its step as
     printed, for the other ranks of its group: a rank whose step prints the same (the same program, its constants its
     own) re-instantiates it (joint_of: passes/rescale.py, a fraction of differentiating it; the tiny preset's step

@@ -88,12 +88,12 @@ def _state(model, opt, extra: dict) -> dict:
 
 def save(out: str, step: int, model, opt, extra: dict) -> str:
     """Every rank: write step `step` to out/tmp-step-N, then rank 0 renames it to out/step-N."""
+    import torch.distributed.checkpoint as dcp
     tmp, final = os.path.join(out, f"tmp-step-{step}"), os.path.join(out, f"step-{step}")
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    import torch.distributed.checkpoint as dcp
     dcp.save(_state(model, opt, extra), storage_writer=_writer(tmp, step))
     dist.barrier()
     if dist.get_rank() == 0:
