@@ -399,22 +399,28 @@ def _export(a) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line's exit code; `argv` None: the process's own arguments, and a plan leaves at once (_leave)."""
+    """The command line's exit code; `argv` None: the process's own arguments (`autosp`, `python -m autosp`, and
+    each rank a launch starts), and the process leaves as soon as the verb has answered (_leave)."""
     own = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parser().parse_args(argv)
     if a.verb is None:
         parser().print_help(sys.stderr)
         return 2
+    code = _verb(a, argv)
+    if own:
+        _leave(code)
+    return code
+
+
+def _verb(a, argv: list[str]) -> int:
+    """Run the parsed verb; its exit code."""
     try:
         _require_transformers(a.verb)
         if a.verb == "train":
             return _train(a, argv)
         if a.verb == "plan":
-            code = _plan(a)
-            if own:
-                _leave(code)
-            return code
+            return _plan(a)
         if a.verb == "eval":
             return _eval(a, argv)
         if a.verb == "export":
@@ -432,9 +438,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _leave(code: int) -> None:
-    """End the process now, its output flushed: a plan leaves graphs, fake tensors and joints that the interpreter's
-    teardown frees one object at a time (1 s of `autosp plan --model tiny`'s 12, bench/RESULTS.md "Planning time"),
-    and nothing is left to write or close (kept entries are renamed into place, the forked helpers waited for)."""
+    """End the process now, its output flushed. The interpreter's teardown frees torch's, dynamo's and
+    transformers' modules and a plan's graphs one object at a time: 1.5-2 s of CPU in every process that built a
+    model (a rank of `autosp train`, its launcher, `autosp plan`), on every launch. Nothing is left to write or
+    close by then: each verb closes what it opened (the run's logs, tensorboard, checkpoints written whole and
+    renamed into place, a failed rank's error file), a rank has left its process group, the launcher's agent has
+    stopped, a plan's forked helpers were waited for; logging's handlers are flushed here."""
+    import logging
+    logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
