@@ -443,8 +443,12 @@ def _leave(code: int) -> None:
     model (a rank of `autosp train`, its launcher, `autosp plan`), on every launch. Nothing is left to write or
     close by then: each verb closes what it opened (the run's logs, tensorboard, checkpoints written whole and
     renamed into place, a failed rank's error file), a rank has left its process group, the launcher's agent has
-    stopped, a plan's forked helpers were waited for; logging's handlers are flushed here."""
+    stopped, a plan's forked helpers were waited for; logging's handlers are flushed here, and a progress bar a
+    failure left open is closed (as the teardown closed it), so that it ends its line before the launcher says why."""
     import logging
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
