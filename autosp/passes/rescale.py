@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from autosp.errors import AutospError
-from autosp.ir.core import Graph, In, Var
+from autosp.ir.core import Graph, In, Var, map_args
 
 
 class RescaleError(AutospError):
@@ -116,13 +116,8 @@ _POSITIONS = {aten.slice.Tensor: ("start", "end"), aten.slice_backward.default: 
 
 
 def _map(f, x):
-    """f over the leaves of an op's argument (lists, tuples, dicts, scalars; an In stays): pytree's tree_map for
-    the shapes aten's arguments take, at a tenth of its cost (the 8B joint's 20,000 equations)."""
-    if type(x) in (list, tuple):
-        return type(x)(_map(f, y) for y in x)
-    if type(x) is dict:
-        return {k: _map(f, y) for k, y in x.items()}
-    return x if isinstance(x, In) else f(x)
+    """f over the leaves of an op's argument (an In stays)."""
+    return map_args(lambda y: y if isinstance(y, In) else f(y), x)
 
 
 def _move_args(e, sizes: Sizes):

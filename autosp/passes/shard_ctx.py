@@ -10,14 +10,23 @@ from dataclasses import dataclass, field
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils import _pytree as pytree
 
 from autosp import collectives as C
 from autosp.errors import ShardError
-from autosp.ir.core import Eqn, Graph, Var
+from autosp.ir.core import Eqn, Graph, Var, map_args
 from autosp.ir.ops import op_for
 from autosp.layout import Layout
 from autosp.passes.seqdims import SeqPos
+
+
+_MISSING = object()
+
+
+def _static(out) -> bool:
+    """Whether an op's fake outputs are all of static shapes (none data-dependent): only those are reused."""
+    outs = out if isinstance(out, (tuple, list)) else [out]
+    return all(not isinstance(x, torch.Tensor) or all(isinstance(d, int) for d in x.shape) for x in outs) and \
+        not any(isinstance(x, torch.SymInt) for x in outs)
 
 
 @dataclass
@@ -50,6 +59,7 @@ class ShardCtx:
     producer: dict[str, Eqn] = field(default_factory=dict)  # old name -> the global equation defining it
     counter: int = 0
     _cache: dict = field(default_factory=dict)
+    _typed: dict = field(default_factory=dict)     # _typing_key -> the op's outputs on fakes
 
     # ------------------------------------------------------------ building
     def fresh(self) -> str:
@@ -59,11 +69,15 @@ class ShardCtx:
     def emit(self, target, args, kwargs=None, *, source=None, layouts=None):
         """Append target(*args, **kwargs) (Vars inside) and return its output Var(s)."""
         kwargs = kwargs or {}
-        leaf = lambda x: isinstance(x, Var)
-        fargs = pytree.tree_map(lambda x: self.fakes[x.name] if isinstance(x, Var) else x, args, is_leaf=leaf)
-        fkw = pytree.tree_map(lambda x: self.fakes[x.name] if isinstance(x, Var) else x, kwargs, is_leaf=leaf)
-        with self.fake_mode:
-            out = target(*fargs, **fkw)
+        key = self._typing_key(target, args, kwargs)
+        out = self._typed.get(key, _MISSING) if key is not None else _MISSING
+        if out is _MISSING:
+            fake = lambda x: self.fakes[x.name] if isinstance(x, Var) else x
+            fargs, fkw = map_args(fake, args), map_args(fake, kwargs)
+            with self.fake_mode:
+                out = target(*fargs, **fkw)
+            if key is not None and _static(out):
+                self._typed[key] = out
         multi = isinstance(out, (tuple, list))
         outs_raw = list(out) if multi else ([] if out is None else [out])
         layouts = list(layouts) if layouts is not None else [None] * len(outs_raw)
@@ -79,6 +93,31 @@ class ShardCtx:
         if multi:
             return tuple(outs)
         return outs[0] if outs else None
+
+    def _typing_key(self, target, args, kwargs):
+        """What `target`'s outputs' types are a function of: the op, its arguments, and each tensor argument's
+        dtype, device, shape, strides and offset (the fakes' metadata, not their identity). A model's repeated
+        layers emit the same equations on values of the same types, so each is run on fakes once (half of the
+        sharding pass's time); None where an argument cannot be keyed (a symbolic size)."""
+        def key(x):
+            if isinstance(x, Var):
+                f = self.fakes[x.name]
+                if isinstance(f, torch.Tensor):
+                    return (f.dtype, f.device, tuple(f.shape), f.stride(), f.storage_offset())
+                return ("value", f)
+            if isinstance(x, (list, tuple)):
+                return (type(x), tuple(key(y) for y in x))
+            if isinstance(x, dict):
+                return (dict, tuple((k, key(v)) for k, v in x.items()))
+            return (type(x), x)
+        if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+            return None                         # an op that changes its inputs (their metadata too) runs each time
+        try:
+            k = (target, key(args), key(kwargs))
+            hash(k)
+        except TypeError:                       # a SymInt, an unhashable argument: typed by running the op
+            return None
+        return k
 
     # ------------------------------------------------------------ layouts
     def layout_for(self, old: Var, length: int | None = None) -> Layout | None:

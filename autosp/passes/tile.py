@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autosp.ir.core import Eqn, Graph, Var
+from autosp.ir.core import Eqn, Graph, Var, map_args
 from autosp.ir.ops import Tag, op_for
 from autosp.passes.shard_rules import POSITIONWISE_NAMES
 
@@ -375,7 +375,5 @@ def _tiled(graph: Graph, c: Chain, k: int, var: dict) -> list[Eqn]:
 
 
 def _bind_fakes(args, kwargs, fake):
-    from torch.utils import _pytree as pytree
-    leaf = lambda x: isinstance(x, Var)
     conv = lambda x: fake(x) if isinstance(x, Var) else x
-    return (pytree.tree_map(conv, args, is_leaf=leaf), pytree.tree_map(conv, kwargs, is_leaf=leaf))
+    return map_args(conv, args), map_args(conv, kwargs)
