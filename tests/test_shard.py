@@ -321,3 +321,25 @@ def test_cpu_ranks_trace_once_per_sp_group_and_share_its_errors():
     (_, (kind, text), _), (_, got, _) = out
     # autosp.trace's TraceError names the op and the line: the other rank raises it as it is
     assert kind == "TraceError" and "aten.nonzero" in text and got == (kind, text), out
+
+
+def test_the_sharding_pass_types_each_repeated_equation_once(monkeypatch):
+    """ShardCtx.emit runs an op on fakes once per distinct (op, arguments, argument types): the tiny preset's four
+    layers emit the same equations, so fewer than half of its emits run; the graph is the one typed every time."""
+    import autosp.passes.shard_ctx as sc
+    from autosp.run.answer import fake_world
+    from autosp.run.models import model_config
+    from autosp.run.plan import Tracer
+    from autosp.run.meshes import planning_mesh
+
+    ran = []
+    typed = sc._static
+    monkeypatch.setattr(sc, "_static", lambda out: ran.append(1) or typed(out))
+    with fake_world(2):
+        tracer = Tracer(model_config("tiny"), planning_mesh(2), torch.float32, 1, 2, shard_params=True)
+        memo = tracer.trace(301, single=False)
+        monkeypatch.setattr(sc.ShardCtx, "_typing_key", lambda self, *a: None)
+        every = tracer.trace(301, single=False)
+    assert str(memo.local) == str(every.local)
+    print(f"{len(ran)} of the {len(memo.local.eqns)} equations typed on fakes")
+    assert 0 < len(ran) < len(memo.local.eqns) / 2, (len(ran), len(memo.local.eqns))
