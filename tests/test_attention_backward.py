@@ -73,3 +73,26 @@ def test_a_gpu_plan_takes_autosps_kernel_where_the_backends_scratch_holds_the_pe
 def test_the_cpu_plans_with_its_own_kernel():
     plan = _least("cpu", s=512)[0]
     assert plan.attention_backward == "sdpa"
+
+
+def test_a_refused_gpu_verdict_takes_autosps_kernel_from_its_helper(monkeypatch):
+    """A verdict on a GPU searches autosp's kernel after the backend's; with a core idle (remat/helper.py) a helper
+    searches it beside the backend's end. Refused here (a byte under the least), the least is the helper's plan,
+    whose programs the search derives: the same plan, decisions and peak as searched in one process."""
+    from autosp.remat import simulate_step
+    from autosp.remat.helper import Helper, idle_core
+    monkeypatch.setenv("AUTOSP_PLAN_CACHE", "off")
+    params = _params(d=1024, heads=16, kv=4, device="meta", dtype=torch.bfloat16)
+    x = torch.empty(1, 4096, 1024, device="meta", dtype=torch.bfloat16)
+    graph = autosp.trace(_loss(heads=16, kv=4), params, x)
+    least = plan_step(graph, "least", device="h100", refine=False, plan_only=True)[0]
+    budget = least.peak_bytes + least.const_bytes - 1
+    alone = plan_step(graph, "least", device="h100", refine=False, plan_only=True, enough=budget)[0]
+    took, take = [], Helper.take
+    monkeypatch.setattr(Helper, "take", lambda self: took.append(take(self)) or took[-1])
+    with idle_core():
+        plan, program, _, _ = plan_step(graph, "least", device="h100", refine=False, plan_only=True, enough=budget)
+    assert len(took) == 1 and took[0] is not None and took[0][0].attention_backward == "autosp"
+    assert plan.attention_backward == alone.attention_backward == "autosp"
+    assert (plan.peak_bytes, plan.decisions, plan.method) == (alone.peak_bytes, alone.decisions, alone.method)
+    assert int(simulate_step(program, "h100").peak) == plan.peak_bytes

@@ -87,3 +87,37 @@ def test_a_verdict_stops_at_the_first_plan_within_its_budget_with_the_same_verdi
     assert seeded.peak_bytes + seeded.const_bytes <= at_least and seeded.method.startswith("per-layer")
     assert (none.peak_bytes, none.tiling) == (least.peak_bytes, least.tiling) and searched_none == both
     assert (under.peak_bytes, under.tiling) == (least.peak_bytes, least.tiling)
+
+
+def test_a_refused_verdict_searches_its_next_end_on_the_idle_core_with_the_same_verdict(monkeypatch):
+    """remat/helper.py: where a core is idle (helper.idle_core; in `autosp plan`'s rounds, the other verdict's once
+    it has ended), a verdict's search forks a helper for its next end (the untiled step) as it starts. A refused
+    verdict takes the helper's least and derives its programs; a fit stops it unused. Either way the answer is
+    the one searched in one process."""
+    import autosp.remat as remat
+    from autosp.remat import simulate_step
+    from autosp.remat.helper import Helper, idle_core
+    from autosp.run import plan
+    from autosp.run.meshes import fake_world, planning_mesh
+    from autosp.run.models import model_config
+    monkeypatch.setenv("AUTOSP_PLAN_CACHE", "off")
+    took, stopped = [], []
+    take, stop = Helper.take, Helper.stop
+    monkeypatch.setattr(Helper, "take", lambda self: took.append(take(self)) or took[-1])
+    monkeypatch.setattr(Helper, "stop", lambda self: stopped.append(self.pid is not None) or stop(self))
+    with fake_world(2):
+        tracer = plan.Tracer(model_config("tiny"), planning_mesh(2), torch.float32, 1, 2, shard_params=True)
+        local = tracer.trace(1024, single=False).local
+        least = remat.plan_step(local, "least", refine=False, plan_only=True)[0]
+        budget = least.peak_bytes + least.const_bytes - 1
+        alone = remat.plan_step(local, "least", refine=False, plan_only=True, enough=budget)
+        assert not took and not stopped                     # no idle core: no helper
+        with idle_core():
+            helped = remat.plan_step(local, "least", refine=False, plan_only=True, enough=budget)
+            fit = remat.plan_step(local, "least", refine=False, plan_only=True, enough=2 ** 40)[0]
+    assert len(took) == 1 and took[0] is not None, took     # the refused one took the untiled step's least
+    assert stopped == [True], stopped                       # the fit stopped its helper at the first end
+    a, b = alone[0], helped[0]
+    assert (b.peak_bytes, b.tiling, b.method, b.decisions) == (a.peak_bytes, a.tiling, a.method, a.decisions)
+    assert b.peak_bytes + b.const_bytes > budget and fit.peak_bytes + fit.const_bytes <= 2 ** 40
+    assert int(simulate_step(helped[1], "cpu").peak) == b.peak_bytes

@@ -14,6 +14,8 @@ forward value the backward reads, to save, recompute or offload it under a memor
 """
 from __future__ import annotations
 
+import os
+
 from autosp.remat.plan import BudgetError, Decision, Plan, make_plan, parse_budget, parse_host_memory, simulate_step
 
 __all__ = ["BudgetError", "Decision", "Plan", "compile_step", "make_plan", "parse_budget", "parse_host_memory",
@@ -273,24 +275,45 @@ def _plan_now(local, memory_budget, dev, *, host_memory=None, refine: bool = Tru
     if kind == "least":                          # the most tiles usually, but not where tiling costs more
         ends = [levels[-1]] if levels[0] == levels[-1] else [levels[-1], levels[0]]
         found = []
+        helper = _helper(local, chains, ends, kernels, enough, at, memory_budget, dev)
+
+        def search(ks, kernel):
+            """at(ks) with `kernel`, or the helper's answer for that end (helper.py): (plan, None, None, None, ks,
+            None, its decisions, whether attention's scratch holds it up)."""
+            nonlocal helper
+            if helper is not None and helper.end == (tuple(sorted(ks.items())), kernel):
+                got, helper = helper.take(), None
+                if got is not None:
+                    plan, decisions, bound = got
+                    return plan, None, None, None, ks, None, decisions, bound
+            return at(ks, memory_budget, kernel=kernel, defer=True)
 
         def within():
             return enough is not None and any(r[0].peak_bytes + r[0].const_bytes <= enough for r in found)
-        for ks in ends:
-            if within():
-                break
-            # every forward equation runs, so no plan's peak is below the widest value the forward makes: a tiling
-            # whose widest value is above a least found already is not searched (the untiled step's logits at
-            # long context)
-            if found and _widest(_tiled(local, ks, chains) if ks else local) >= found[0][0].peak_bytes:
-                continue
-            found.append(at(ks, memory_budget, kernel=kernels[0], defer=True))
-        # autosp's attention backward, where the backend's scratch is what holds a least peak up
-        if not within():
-            found += [at(r[4], memory_budget, kernel=kernel, defer=True) for r in list(found)
-                      if _attention_bound(r[1], dev.name) for kernel in kernels[1:]]
+        try:
+            for ks in ends:
+                if within():
+                    break
+                # every forward equation runs, so no plan's peak is below the widest value the forward makes: a
+                # tiling whose widest value is above a least found already is not searched (the untiled step's
+                # logits at long context)
+                if found and _widest(_tiled(local, ks, chains) if ks else local) >= found[0][0].peak_bytes:
+                    continue
+                found.append(search(ks, kernels[0]))
+            # autosp's attention backward, where the backend's scratch is what holds a least peak up
+            if not within():
+                found += [search(r[4], kernel) for r in list(found)
+                          if (r[7] if len(r) > 7 else _attention_bound(r[1], dev.name)) for kernel in kernels[1:]]
+        finally:
+            if helper is not None:
+                helper.stop()
         # the lower least; at a tie the backend's kernel and the fewer tiles (both faster)
         best = min(found, key=lambda r: (r[0].peak_bytes, r[0].attention_backward != kernels[0], sum(r[4].values())))
+        if len(best) > 6:                        # the helper's: its programs, derived here
+            from autosp.remat.apply import apply_plan
+            boundary, joint = _joint(_tiled(local, best[4], chains) if best[4] else local,
+                                     best[0].attention_backward)
+            return best[0], apply_plan(joint, *best[6]), joint, boundary, best[4]
         # its cheapest plan at that peak (the cost-minimising solve), for the lower end alone: MiniMax's at 128
         # tokens took 15-23 s a solve, half of train's planning
         return best[5]() if best[5] is not None else best[:5]
@@ -317,6 +340,28 @@ def _plan_now(local, memory_budget, dev, *, host_memory=None, refine: bool = Tru
         first = refused if refused.least_peak_bytes <= exc.least_peak_bytes else exc
         raise BudgetError(f"{first} (Tiled along the sequence as far as autosp goes, {what}, and untiled.)",
                           least_peak_bytes=least) from None
+
+
+def _helper(local, chains, ends, kernels, enough, at, budget, dev):
+    """A verdict's next end searched beside it (helper.py) where a core is to be idle for it: the untiled step
+    where its widest value is within the budget (else it cannot be a least within it), else autosp's attention
+    backward on the most tiled step; None where the search has one end, or is not a verdict's."""
+    from autosp.remat.helper import PEER_IDLE, Helper
+    if enough is None or PEER_IDLE[0] is None or not hasattr(os, "fork"):
+        return None
+    if len(ends) > 1 and _widest(_tiled(local, ends[1], chains) if ends[1] else local) < enough:
+        ks, kernel = ends[1], kernels[0]
+    elif len(kernels) > 1:
+        ks, kernel = ends[0], kernels[1]
+        _joint(_tiled(local, ks, chains) if ks else local)     # the search's first joint, derived once for both
+    else:
+        return None
+
+    def work():
+        plan, program, joint, _, _, _ = at(ks, budget, kernel=kernel, defer=True)
+        bound = kernel == kernels[0] and len(kernels) > 1 and _attention_bound(program, dev.name)
+        return plan, (tuple(program.saved), _recomputed(joint, program), tuple(program.offloaded)), bound
+    return Helper((tuple(sorted(ks.items())), kernel), work, PEER_IDLE[0])
 
 
 def _with_tiling(plan, ks: dict, by_id: dict):

@@ -488,6 +488,7 @@ def _checked(step: Step, granule: int, parallel: bool = True, origin: str = "the
     length as a step's bytes do, so the pair goes where the line through the nearest verdicts crosses zero (within
     the lengths known to fit and not to fit; by halving where the line does not help). (length, the line that
     says so, the verdict's Fit where this process made it, else None)"""
+    from autosp.remat.helper import idle_core
     from autosp.run.plan import _both
     first = step.seq_len
     excess: dict[int, float] = {}                   # length -> least peak - budget (fits: <= 0)
@@ -514,8 +515,9 @@ def _checked(step: Step, granule: int, parallel: bool = True, origin: str = "the
         new = [x for x in lengths if x >= granule and x not in excess]
         if len(new) == 2:
             out = _both(lambda: verdict(new[0]), lambda: verdict(new[1], away=parallel), parallel)
-        else:
-            out = [verdict(x) for x in new]
+        else:                                       # alone: its search's next end on the other core (helper.py)
+            with idle_core() if parallel else contextlib.nullcontext():
+                out = [verdict(x) for x in new]
         for x, (e, h, fit) in zip(new, out):
             excess[x] = e
             if h is not None:

@@ -573,16 +573,23 @@ def probe(tracer, l1: int, l2: int, device: str, offload: bool, parallel: bool =
 
 def _both(first, second, parallel: bool = True):
     """first() here and second() in a forked child at the same time (planning is single-threaded
-    Python; a second core halves it); sequential where fork is not available. The child's MIPs ended by their
+    Python; a second core halves it); sequential where fork is not available. The side that ends first lends its
+    core to the other's verdict (remat/helper.py: its next end searched beside it). The child's MIPs ended by their
     time limit count as this process's (solve.time_limits)."""
     import gc
     import pickle
+    import shutil
+    import tempfile
 
     from autosp.remat import solve
+    from autosp.remat.helper import PEER_IDLE
     from autosp.remat.solve import time_limits
     if not parallel or not hasattr(os, "fork"):
         return first(), second()
     import scipy.optimize  # noqa: F401 - both sides solve MIPs: imported once, before the fork (solve.milp)
+    # each side's end, as a file: the other side's verdict then searches its next end on the idle core (helper.py)
+    folder = tempfile.mkdtemp(prefix="autosp-both-")
+    first_done, second_done = os.path.join(folder, "first"), os.path.join(folder, "second")
     r, w = os.pipe()
     gc.freeze()             # the child's collections leave what it inherits unscanned (and its pages unshared)
     pid = os.fork()
@@ -592,11 +599,13 @@ def _both(first, second, parallel: bool = True):
         code = 0
         try:
             os.close(r)
+            PEER_IDLE[0] = first_done
             limited = time_limits()
             try:
                 out = ("ok", second())
             except BaseException as exc:  # noqa: BLE001 - sent to the parent, raised there
                 out = ("error", exc)
+            open(second_done, "w").close()
             out += (time_limits() - limited,)
             data = pickle.dumps(out)
             with os.fdopen(w, "wb") as f:
@@ -606,12 +615,16 @@ def _both(first, second, parallel: bool = True):
         finally:
             os._exit(code)
     os.close(w)
+    before, PEER_IDLE[0] = PEER_IDLE[0], second_done
     try:
         a = first()
     finally:
+        PEER_IDLE[0] = before
+        open(first_done, "w").close()
         with os.fdopen(r, "rb") as f:
             data = f.read()
         os.waitpid(pid, 0)
+        shutil.rmtree(folder, ignore_errors=True)
     if not data:
         raise AutospError("autosp plan: the planning subprocess died. Fix: rerun; if it persists, report it.")
     status, b, limited = pickle.loads(data)
