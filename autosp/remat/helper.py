@@ -39,13 +39,11 @@ class Helper:
     `end` names what it searches, for the search to recognise it."""
 
     def __init__(self, end, work, idle: str):
-        from autosp.remat.solve import time_limits
         self.end = end
         parent = os.getpid()
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:                                   # the helper: wait for the idle core, search, send, leave
-            code = 0
             try:
                 os.close(r)
                 PEER_IDLE[0] = None
@@ -54,18 +52,9 @@ class Helper:
                         os._exit(0)
                     time.sleep(0.02)
                 os.write(w, b"s")
-                limited = time_limits()
-                try:
-                    out = ("ok", work())
-                except BaseException as exc:  # noqa: BLE001 - the search then searches the end itself
-                    out = ("error", f"{type(exc).__name__}: {exc}")
-                data = pickle.dumps(out + (time_limits() - limited,))
-                with os.fdopen(w, "wb") as f:
-                    f.write(data)
             except BaseException:  # noqa: BLE001
-                code = 1
-            finally:
-                os._exit(code)
+                os._exit(1)
+            child_answers(w, work)
         os.close(w)
         self.pid, self.fd = pid, r
 
@@ -104,3 +93,24 @@ class Helper:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def child_answers(w: int, work) -> None:
+    """In a forked child: work() sent down the pipe `w` as ('ok', result) or ('error', the exception), with how many
+    MIPs their time limit ended meanwhile (solve.time_limits: the parent counts them as its own); then the child
+    leaves without the interpreter's cleanup. Never returns."""
+    from autosp.remat.solve import time_limits
+    code = 0
+    try:
+        limited = time_limits()
+        try:
+            out = ("ok", work())
+        except BaseException as exc:  # noqa: BLE001 - sent to the parent
+            out = ("error", exc)
+        data = pickle.dumps(out + (time_limits() - limited,))
+        with os.fdopen(w, "wb") as f:
+            f.write(data)
+    except BaseException:  # noqa: BLE001 - the parent reads nothing: the child died
+        code = 1
+    finally:
+        os._exit(code)

@@ -582,8 +582,7 @@ def _both(first, second, parallel: bool = True):
     import tempfile
 
     from autosp.remat import solve
-    from autosp.remat.helper import PEER_IDLE
-    from autosp.remat.solve import time_limits
+    from autosp.remat.helper import PEER_IDLE, child_answers
     if not parallel or not hasattr(os, "fork"):
         return first(), second()
     import scipy.optimize  # noqa: F401 - both sides solve MIPs: imported once, before the fork (solve.milp)
@@ -596,24 +595,17 @@ def _both(first, second, parallel: bool = True):
     if pid != 0:
         gc.unfreeze()
     if pid == 0:                                      # the child: compute, send, leave without cleanup
-        code = 0
+        def ours():
+            try:
+                return second()
+            finally:
+                open(second_done, "w").close()
         try:
             os.close(r)
             PEER_IDLE[0] = first_done
-            limited = time_limits()
-            try:
-                out = ("ok", second())
-            except BaseException as exc:  # noqa: BLE001 - sent to the parent, raised there
-                out = ("error", exc)
-            open(second_done, "w").close()
-            out += (time_limits() - limited,)
-            data = pickle.dumps(out)
-            with os.fdopen(w, "wb") as f:
-                f.write(data)
         except BaseException:  # noqa: BLE001
-            code = 1
-        finally:
-            os._exit(code)
+            os._exit(1)
+        child_answers(w, ours)
     os.close(w)
     before, PEER_IDLE[0] = PEER_IDLE[0], second_done
     try:
