@@ -201,6 +201,9 @@ def check_train(a) -> None:
     if a.seq_len is None:
         a.seq_len = 512
     a.step = step = step_of(a, "train")
+    if not in_torchrun():                      # the ranks' zygote imports while this process checks and plans
+        from autosp.run.launch import start_zygote
+        start_zygote(a)
     world = step.world
     if in_torchrun() and int(os.environ["WORLD_SIZE"]) != world:
         raise AutospError(f"the launcher started {os.environ['WORLD_SIZE']} ranks, but --dp {step.dp} x --sp {step.sp} "
@@ -269,11 +272,14 @@ def _warn_positions(step) -> None:
 
 def _train(a, argv) -> int:
     from autosp.run.config import in_torchrun
-    check_train(a)
-    if in_torchrun():
-        return _worker(a)
-    from autosp.run.launch import launch
-    return launch(a, argv)
+    from autosp.run.launch import close_zygote, launch
+    try:
+        check_train(a)
+        if in_torchrun():
+            return _worker(a)
+        return launch(a, argv)
+    finally:
+        close_zygote(a)
 
 
 def _worker(a, worker=None) -> int:
@@ -380,12 +386,15 @@ def check_eval(a) -> None:
 
 def _eval(a, argv) -> int:
     from autosp.run.config import in_torchrun
-    check_eval(a)
-    if in_torchrun():
-        from autosp.run.evaluate import worker
-        return _worker(a, worker)
-    from autosp.run.launch import launch
-    return launch(a, argv)
+    from autosp.run.launch import close_zygote, launch
+    try:
+        check_eval(a)
+        if in_torchrun():
+            from autosp.run.evaluate import worker
+            return _worker(a, worker)
+        return launch(a, argv)
+    finally:
+        close_zygote(a)
 
 
 def _export(a) -> int:

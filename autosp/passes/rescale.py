@@ -244,10 +244,14 @@ def reinstantiate(g: Graph, sizes: Sizes, consts) -> Graph:
 
 def _signature(e, args, kwargs, ins):
     """What an equation's outputs' metadata is a function of: its op, its arguments (each leaf with its type: 1,
-    1.0 and True differ) and its inputs' sizes, strides, offsets and dtypes. None: not to be shared (an op that
-    writes its inputs, or an argument that is not hashable), so it runs."""
-    if e.op.target._schema.is_mutable:
+    1.0 and True differ) and its inputs' sizes, strides and dtypes, and their offsets where an output is a view of
+    an input (a new tensor starts at 0 whatever its inputs' offsets: a tiled loss's tiles, slices of one tensor,
+    share their nll_loss). None: not to be shared (an op that writes its inputs, or an argument that is not
+    hashable), so it runs."""
+    schema = e.op.target._schema
+    if schema.is_mutable:
         return None
+    views = any(r.alias_info is not None for r in schema.returns)
 
     def frozen(x):
         if isinstance(x, (list, tuple)):
@@ -255,8 +259,8 @@ def _signature(e, args, kwargs, ins):
         return (type(x), x)
     try:
         key = (e.op.target, frozen(args), frozen(kwargs),
-               tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device) if isinstance(t, torch.Tensor)
-                     else (type(t), t) for t in ins))
+               tuple((t.shape, t.stride(), views and t.storage_offset(), t.dtype, t.device)
+                     if isinstance(t, torch.Tensor) else (type(t), t) for t in ins))
         hash(key)
     except TypeError:
         return None

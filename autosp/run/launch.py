@@ -160,8 +160,9 @@ def describe_failure(err, out: str | None, timeout: float | None = None, verb: s
     return "\n".join(lines), code
 
 
-def launcher_args(a, argv: list[str]) -> list[str]:
-    """torch.distributed.run's command line for `autosp train` with these arguments."""
+def launcher_args(a, argv: list[str], forked: bool = False) -> list[str]:
+    """torch.distributed.run's command line for `autosp train` with these arguments; `forked`: each rank's entry
+    point is rank_entry.py, which has the launcher's zygote fork the rank (zygote.py)."""
     world = a.step.world
     nnodes = a.nnodes
     nproc = a.nproc_per_node
@@ -176,6 +177,9 @@ def launcher_args(a, argv: list[str]) -> list[str]:
             args += ["--" + flag.replace("_", "-"), str(value)]
     if a.log_dir:
         args += ["--log-dir", a.log_dir]
+    if forked:
+        from autosp.run.zygote import ENTRY
+        return args + ["--no-python", sys.executable, "-I", ENTRY] + argv
     return args + ["-m", "autosp.cli"] + argv
 
 
@@ -189,6 +193,27 @@ def rank_threads(ranks: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, ranks))
 
 
+def rank_env(a) -> dict:
+    """What the launcher adds to its ranks' environment: LAUNCHED, and OMP_NUM_THREADS where it is not set."""
+    env = {LAUNCHED: "1"}
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(rank_threads(a.nproc_per_node or a.step.world))
+    return env
+
+
+def start_zygote(a) -> None:
+    """The zygote of the ranks a launch of `a` (a.step known) will start, begun now (a.zygote), so that it imports
+    while the launcher checks, tokenizes and plans; launch() takes it, and close_zygote(a) ends one not taken."""
+    from autosp.run.zygote import Zygote
+    a.zygote = Zygote.start(a.step.model, rank_env(a))
+
+
+def close_zygote(a) -> None:
+    zygote, a.zygote = getattr(a, "zygote", None), None
+    if zygote is not None:
+        zygote.close()
+
+
 def launch(a, argv: list[str]) -> int:
     """Run `autosp train` on its ranks; the exit code of the whole run."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -197,10 +222,14 @@ def launch(a, argv: list[str]) -> int:
     if not a.verbose:
         for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-    os.environ[LAUNCHED] = "1"
-    ranks = a.nproc_per_node or a.step.world
-    os.environ.setdefault("OMP_NUM_THREADS", str(rank_threads(ranks)))
-    targs = get_args_parser().parse_args(launcher_args(a, argv))
+    if getattr(a, "zygote", None) is None:
+        start_zygote(a)
+    os.environ.update(rank_env(a))
+    from autosp.run.zygote import ENV
+    zygote = a.zygote
+    targs = get_args_parser().parse_args(launcher_args(a, argv, forked=zygote is not None))
+    if zygote is not None:
+        os.environ[ENV] = zygote.env
     try:
         run(targs)
     except ChildFailedError as err:
@@ -211,4 +240,7 @@ def launch(a, argv: list[str]) -> int:
         print(f"autosp {a.verb}: stopped by {signal.Signals(sig.sigval).name}; the ranks were stopped.",
               file=sys.stderr, flush=True)
         return 128 + int(sig.sigval)
+    finally:
+        os.environ.pop(ENV, None)
+        close_zygote(a)
     return 0

@@ -1,0 +1,99 @@
+"""A launch's ranks are forks of one process that imported what a rank imports (autosp/run/zygote.py): each rank's
+entry (rank_entry.py, what torch.distributed.run starts) ends as its fork ended, passes on the signals it is sent,
+takes its fork with it when it is killed outright, and runs the rank itself where there is no zygote. The runs
+through torch.distributed.run (tests/test_cli.py: a rank killed, an interrupted save, every launch) hold the rest."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from autosp.run.zygote import ENTRY, ENV, Zygote, usable
+from tests.test_cli import CONFIG, ROOT
+
+pytestmark = pytest.mark.skipif(not usable(), reason="ranks are forked on Linux only")
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+def _entry(argv, zygote, **env):
+    full = {k: v for k, v in os.environ.items() if k not in ("AUTOSP_FAULT", ENV, "RANK", "WORLD_SIZE")}
+    full.update(PYTHONPATH=ROOT, **env)
+    if zygote is not None:
+        full[ENV] = zygote.env
+    return subprocess.Popen([sys.executable, "-I", ENTRY, *argv], cwd=ROOT, env=full, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rows(run) -> int:
+    path = run / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def _wait(cond, what: str, timeout: float = 120.0):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, what
+        time.sleep(0.05)
+
+
+def test_a_forked_rank_ends_as_a_fresh_one_and_the_signals_its_entry_gets_reach_it(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(CONFIG))
+    zygote = Zygote.start(str(tmp_path / "model"), {"OMP_NUM_THREADS": "1"})
+    try:
+        # a rank that refuses its input: the same exit code and message as `python -m autosp.cli` in its place
+        bad = ["export", str(tmp_path / "no-run"), "--out", str(tmp_path / "hf")]
+        forked = _entry(bad, zygote)
+        out, err = forked.communicate(timeout=240)
+        fresh = subprocess.run([sys.executable, "-m", "autosp.cli", *bad], cwd=ROOT, capture_output=True, text=True,
+                               env={**os.environ, "PYTHONPATH": ROOT}, timeout=240)
+        assert forked.returncode == fresh.returncode == 2, (err, fresh.stderr)
+        assert err == fresh.stderr and out == fresh.stdout and "Fix:" in err, (err, fresh.stderr)
+
+        # a rank of a 1-rank run that hangs at its second step: a fork of the zygote, which SIGTERM sent to its
+        # entry stops (the entry ends by SIGTERM), and which SIGKILL sent to its entry takes with it
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            run = tmp_path / f"run-{sig.name}"
+            entry = _entry(["train", "--model", str(tmp_path / "model"), "--seq-len", "64", "--batch", "1",
+                            "--steps", "3", "--out", str(run)], zygote, AUTOSP_FAULT="0:2:hang", AUTOSP_LAUNCHED="1",
+                           RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(_port()), OMP_NUM_THREADS="1")
+            _wait(lambda: _rows(run) or entry.poll() is not None, "the first step's metrics")
+            assert entry.poll() is None, entry.communicate()
+            assert len(_children(zygote.proc.pid)) == 1             # the rank is the zygote's fork
+            entry.send_signal(sig)
+            entry.communicate(timeout=60)
+            assert entry.returncode == -sig, (sig, entry.returncode)
+            # it hung where its entry's environment (not the zygote's) said
+            assert _rows(run) == 1
+            _wait(lambda: not _children(zygote.proc.pid), f"the fork outlived its entry ({sig.name})", 30)
+    finally:
+        zygote.close()
+    assert zygote.proc.poll() is not None and not os.path.exists(zygote.folder)
+
+
+def test_without_its_zygote_an_entry_runs_the_rank_itself(tmp_path):
+    """No zygote (AUTOSP_FORK_RANKS=0, or one gone before the entry asked): `python -m autosp.cli` in its place."""
+    bad = ["export", str(tmp_path / "no-run"), "--out", str(tmp_path / "hf")]
+    gone = Zygote.start(None, {})
+    gone.close()
+    for zygote in (None, gone):
+        entry = _entry(bad, zygote)
+        _, err = entry.communicate(timeout=240)
+        assert entry.returncode == 2 and "Fix:" in err, err
