@@ -3,10 +3,11 @@
 A rank of `autosp train` or `autosp eval` is a fresh interpreter that spends most of a short run importing (torch
 2.7 s, transformers and a model's code 3-5 s, autosp, DCP, scipy: ~9 s of CPU each on this machine's cores, before
 its first step). The launcher therefore starts one process that imports all of it before any tensor op runs (no
-OpenMP pool, no CUDA context, one Python thread), and each rank is a fork of it:
+OpenMP pool: a fork of a process whose pool has run hangs in it; no GPU driver: one that has started it is not
+forked from, see _forkable), and each rank is a fork of it:
 
     zygote = Zygote.start(model)          # the launcher, before torch.distributed.run starts the ranks
-    os.environ[ENV] = zygote.path         # each rank's entry point is rank_entry.py, which asks it for a fork
+    os.environ[ENV] = zygote.env          # each rank's entry point is rank_entry.py, which asks it for a fork
     ...
     zygote.close()
 
@@ -102,8 +103,12 @@ def _preload(model: str | None) -> None:
 
 
 def serve(path: str, launcher: int, model: str | None = None) -> None:
-    """The zygote: import, then fork a rank for each entry that asks, until the launcher is gone."""
+    """The zygote: import, then fork a rank for each entry that asks, until the launcher is gone. Where the imports
+    started a GPU's driver (a fork could not use it), it leaves at once: each entry then runs its rank itself."""
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"    # torch.cuda.is_available() without starting the driver
     _preload(model)
+    if not _forkable():
+        return
     import gc
     sys.stdout.flush()
     sys.stderr.flush()
@@ -145,6 +150,19 @@ def serve(path: str, launcher: int, model: str | None = None) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def _forkable() -> bool:
+    """No GPU runtime started in this process: CUDA's driver is loaded by its first use (libcuda in the process's
+    maps); ROCm's runtime is linked into torch, so a ROCm build is never forked from."""
+    import torch
+    if getattr(torch.version, "hip", None):
+        return False
+    try:
+        with open("/proc/self/maps") as f:
+            return "libcuda.so" not in f.read()
+    except OSError:
+        return False
 
 
 def _recv(conn) -> tuple[list, str, dict, list[int]] | None:
