@@ -203,9 +203,11 @@ def rank_env(a) -> dict:
 
 def start_zygote(a) -> None:
     """The zygote of the ranks a launch of `a` (a.step known) will start, begun now (a.zygote), so that it imports
-    while the launcher checks, tokenizes and plans; launch() takes it, and close_zygote(a) ends one not taken."""
+    while the launcher checks, tokenizes and plans; launch() takes it, and close_zygote(a) ends one not taken. CPU
+    ranks only: they share the host's cores, where each fresh interpreter's imports cost the others time (a GPU
+    node's ranks import side by side on cores of their own, and a fork must never carry a started GPU driver)."""
     from autosp.run.zygote import Zygote
-    a.zygote = Zygote.start(a.step.model, rank_env(a))
+    a.zygote = Zygote.start(a.step.model, rank_env(a)) if a.step.device == "cpu" else None
 
 
 def close_zygote(a) -> None:
@@ -222,7 +224,7 @@ def launch(a, argv: list[str]) -> int:
     if not a.verbose:
         for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-    if getattr(a, "zygote", None) is None:
+    if not hasattr(a, "zygote"):
         start_zygote(a)
     os.environ.update(rank_env(a))
     from autosp.run.zygote import ENV

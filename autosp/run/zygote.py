@@ -1,8 +1,8 @@
 """A launch's ranks forked from one process that has imported what a rank imports, once.
 
-A rank of `autosp train` or `autosp eval` is a fresh interpreter that spends most of a short run importing (torch
-2.7 s, transformers and a model's code 3-5 s, autosp, DCP, scipy: ~9 s of CPU each on this machine's cores, before
-its first step). The launcher therefore starts one process that imports all of it before any tensor op runs (no
+A CPU rank of `autosp train` or `autosp eval` (launch.start_zygote: GPU ranks import on cores of their own) was a
+fresh interpreter that spent most of a short run importing (torch 2.7 s, transformers and a model's code 3-5 s,
+autosp, DCP, scipy: ~9 s of CPU each on this machine's cores, before its first step). The launcher therefore starts one process that imports all of it before any tensor op runs (no
 OpenMP pool: a fork of a process whose pool has run hangs in it; no GPU driver: one that has started it is not
 forked from, see _forkable), and each rank is a fork of it:
 
@@ -224,7 +224,7 @@ def _become(zygote: int, argv: list, cwd: str, env: dict, fds: list[int]) -> Non
         import numpy as np
         random.seed()                          # a fresh interpreter's are seeded apart; the zygote's are shared
         np.random.seed()
-        sys.argv = [os.path.join(os.path.dirname(ENTRY), "..", "cli.py"), *argv]
+        sys.argv = [os.path.join(os.path.dirname(os.path.dirname(ENTRY)), "cli.py"), *argv]   # as `-m autosp.cli`
         from autosp.cli import main
         code = main()                          # leaves the process itself (cli._leave) once it has answered
     except SystemExit as exc:
