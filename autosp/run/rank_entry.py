@@ -47,6 +47,7 @@ def _connect(pid: int, path: str):
 
 
 def _read(s, n: int) -> bytes:
+    """Up to n bytes from the socket `s`: fewer only where it closed first (zygote.py reads with it too)."""
     data = b""
     while len(data) < n:
         chunk = s.recv(n - len(data))

@@ -170,13 +170,11 @@ def _recv(conn) -> tuple[list, str, dict, list[int]] | None:
     head, fds, _, _ = socket.recv_fds(conn, 8, 3)
     if len(head) < 8 or len(fds) != 3:
         return None
+    from autosp.run.rank_entry import _read
     n = struct.unpack("!Q", head)[0]
-    data = b""
-    while len(data) < n:
-        chunk = conn.recv(n - len(data))
-        if not chunk:
-            return None
-        data += chunk
+    data = _read(conn, n)
+    if len(data) < n:
+        return None
     argv, cwd, env = pickle.loads(data)
     return argv, cwd, env, fds
 
