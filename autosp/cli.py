@@ -188,10 +188,11 @@ def _require_transformers(verb: str) -> None:
 
 # ---------------------------------------------------------------- train
 
-def check_train(a) -> None:
+def check_train(a, zygote: bool = False) -> None:
     """Every check that needs no rank: bad input fails here, before anything is launched or written. With
     --memory (or --memory-budget) the step is planned here as `autosp plan --seq-len` plans it, and a length
-    that does not fit is refused with the longest that does."""
+    that does not fit is refused with the longest that does. `zygote`: the ranks' zygote (run/zygote.py) starts
+    importing as soon as the step is known (the launcher's; its caller closes it, launch.close_zygote)."""
     from dataclasses import replace
 
     from autosp.run.checkpoint import checkpoints
@@ -201,7 +202,7 @@ def check_train(a) -> None:
     if a.seq_len is None:
         a.seq_len = 512
     a.step = step = step_of(a, "train")
-    if not in_torchrun():                      # the ranks' zygote imports while this process checks and plans
+    if zygote:                                 # the ranks' zygote imports while this process checks and plans
         from autosp.run.launch import start_zygote
         start_zygote(a)
     world = step.world
@@ -274,7 +275,7 @@ def _train(a, argv) -> int:
     from autosp.run.config import in_torchrun
     from autosp.run.launch import close_zygote, launch
     try:
-        check_train(a)
+        check_train(a, zygote=not in_torchrun())
         if in_torchrun():
             return _worker(a)
         return launch(a, argv)
