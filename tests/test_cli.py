@@ -105,7 +105,28 @@ def launched(args, env=None, timeout=240):
             for s, h in handlers.items():
                 signal.signal(s, h)
         stdout, stderr = (open(path).read() for path in paths)
+    # the launcher (this process) has closed the zygote its ranks were forked from (autosp/run/zygote.py)
+    assert not _zygotes_of(os.getpid()), f"autosp {' '.join(args)} left its zygote running"
     return code, stdout, stderr, secs
+
+
+def _zygotes_of(pid: int) -> list[int]:
+    """The live zygote processes (autosp/run/zygote.py) that `pid` started."""
+    found = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids = f.read().split()
+        except OSError:
+            continue
+        for kid in kids:
+            try:
+                with open(f"/proc/{kid}/cmdline", "rb") as f:
+                    if b"autosp.run.zygote" in f.read():
+                        found.append(int(kid))
+            except OSError:
+                continue
+    return found
 
 
 def losses(out) -> list[float]:
@@ -239,7 +260,8 @@ def test_a_killed_rank_stops_the_run_and_is_named(model, runs):
     assert "autosp train: rank 1 was killed by SIGKILL" in stderr, stderr
     assert "The other ranks were stopped." in stderr and "No complete checkpoint was written yet." in stderr
     assert secs < 120
-    assert not processes_mentioning(str(out)), "a rank outlived the launcher"
+    # neither a rank's entry nor the zygote its rank was forked from (both name the model) outlived the launcher
+    assert not processes_mentioning(str(out)) and not processes_mentioning(model), "a rank outlived the launcher"
     got = losses(out)
     assert len(got) == 2 and all(math.isfinite(x) for x in got)
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
