@@ -2,9 +2,10 @@
 
 A CPU rank of `autosp train` or `autosp eval` (launch.start_zygote: GPU ranks import on cores of their own) was a
 fresh interpreter that spent most of a short run importing (torch 2.7 s, transformers and a model's code 3-5 s,
-autosp, DCP, scipy: ~9 s of CPU each on this machine's cores, before its first step). The launcher therefore starts one process that imports all of it before any tensor op runs (no
-OpenMP pool: a fork of a process whose pool has run hangs in it; no GPU driver: one that has started it is not
-forked from, see _forkable), and each rank is a fork of it:
+autosp, DCP, scipy: ~9 s of CPU each on this machine's cores, before its first step). The launcher therefore
+starts one process that imports all of it before any tensor op runs (no OpenMP pool: a fork of a process whose pool
+has run hangs in it; no GPU driver: one that has started it is not forked from, see _forkable), and each rank is a
+fork of it:
 
     zygote = Zygote.start(model)          # the launcher, before torch.distributed.run starts the ranks
     os.environ[ENV] = zygote.env          # each rank's entry point is rank_entry.py, which asks it for a fork
@@ -74,7 +75,7 @@ class Zygote:
 
     @property
     def env(self) -> str:
-        """ENV's value for the ranks' entries: the zygote's pid (an entry whose zygote is gone runs fresh) and socket."""
+        """ENV's value for the entries: the zygote's pid (an entry whose zygote is gone runs fresh) and socket."""
         return f"{self.proc.pid}:{self.path}"
 
     def close(self) -> None:
@@ -167,13 +168,13 @@ def _forkable() -> bool:
 
 def _recv(conn) -> tuple[list, str, dict, list[int]] | None:
     """An entry's (argv, cwd, environ, [stdin, stdout, stderr]), or None where it sent less."""
-    head, fds, _, _ = socket.recv_fds(conn, 8, 3)
-    if len(head) < 8 or len(fds) != 3:
-        return None
     from autosp.run.rank_entry import _read
-    n = struct.unpack("!Q", head)[0]
-    data = _read(conn, n)
-    if len(data) < n:
+    head, fds, _, _ = socket.recv_fds(conn, 8, 3)
+    n = struct.unpack("!Q", head)[0] if len(head) == 8 else None
+    data = _read(conn, n) if n is not None and len(fds) == 3 else b""
+    if n is None or len(data) < n:
+        for fd in fds:                         # an entry that sent less: the files it sent are not kept open
+            os.close(fd)
         return None
     argv, cwd, env = pickle.loads(data)
     return argv, cwd, env, fds
