@@ -97,3 +97,28 @@ def test_without_its_zygote_an_entry_runs_the_rank_itself(tmp_path):
         entry = _entry(bad, zygote)
         _, err = entry.communicate(timeout=240)
         assert entry.returncode == 2 and "Fix:" in err, err
+
+
+def test_a_launcher_killed_outright_leaves_neither_its_zygote_nor_its_socket():
+    """The launcher closes its zygote; one SIGKILLed cannot: the zygote sees it gone, and its socket and folder go
+    with it (a dead launcher's autosp-zygote-* folders piled up in /tmp)."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from autosp.run.zygote import Zygote; z = Zygote.start(None, {}); "
+         "print(z.proc.pid, z.path, flush=True); time.sleep(600)"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE, text=True)
+    try:
+        pid, path = launcher.stdout.readline().split()
+        _wait(lambda: os.path.exists(path), "the zygote listens")
+    finally:
+        launcher.kill()
+        launcher.wait()
+
+    def gone() -> bool:
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        with open(f"/proc/{pid}/stat") as f:      # a zombie (reaped by init soon) has ended too
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    _wait(gone, "the zygote ends with its launcher", timeout=30)
+    _wait(lambda: not os.path.exists(os.path.dirname(path)), "its folder is removed", timeout=10)

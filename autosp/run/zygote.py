@@ -118,6 +118,18 @@ def serve(path: str, launcher: int, model: str | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # ^C stops the launcher, which closes this
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
+    try:
+        _serve(listener, launcher)
+    finally:                                   # a launcher killed outright never closes it: the socket and its
+        listener.close()                       # folder (the launcher's, empty now) go with the zygote
+        for leftover in (os.unlink, os.rmdir):
+            try:
+                leftover(path if leftover is os.unlink else os.path.dirname(path))
+            except OSError:
+                pass
+
+
+def _serve(listener, launcher: int) -> None:
     listener.listen(64)
     ranks: dict[int, socket.socket] = {}       # a fork's pid -> its entry's connection
     while os.getppid() == launcher:
