@@ -121,3 +121,41 @@ def test_a_refused_verdict_searches_its_next_end_on_the_idle_core_with_the_same_
     assert (b.peak_bytes, b.tiling, b.method, b.decisions) == (a.peak_bytes, a.tiling, a.method, a.decisions)
     assert b.peak_bytes + b.const_bytes > budget and fit.peak_bytes + fit.const_bytes <= 2 ** 40
     assert int(simulate_step(helped[1], "cpu").peak) == b.peak_bytes
+
+
+def test_the_descent_stops_its_mips_at_the_best_peak_with_the_same_least(monkeypatch):
+    """The least-peak descent's MIPs stop once their least is proven CUTOFF_MARGIN above the best plan's peak
+    (solve's `cutoff`): sound where the MIP's model of a plan's peak is never that far above the plan's simulated
+    peak (held here for every answer the descent simulates, on the CPU and priced for an H100): such an answer could
+    not have won. The least found is the same with the cutoff as without."""
+    import autosp.remat as remat
+    import autosp.remat.plan as remat_plan
+    import autosp.remat.solve as S
+    from autosp.run import plan
+    from autosp.run.meshes import fake_world, planning_mesh
+    from autosp.run.models import model_config
+    monkeypatch.setenv("AUTOSP_PLAN_CACHE", "off")
+    pairs, descend, solve = [], remat_plan._descend, S.solve
+
+    def watched(problem, needs, classes, simulated, *a, **k):
+        def sim(x):
+            prog, peak = simulated(x)
+            pairs.append((float(np.max(problem.memory(x))), peak))
+            return prog, peak
+        return descend(problem, needs, classes, sim, *a, **k)
+    monkeypatch.setattr(remat_plan, "_descend", watched)
+    with fake_world(2):
+        tracer = plan.Tracer(model_config("tiny"), planning_mesh(2), torch.float32, 1, 2, shard_params=True)
+        local = tracer.trace(1024, single=False).local
+        found = {}
+        for cut in (True, False):
+            if not cut:                       # every MIP to its end: what the descent simulated without the cutoff
+                monkeypatch.setattr(S, "solve", lambda *a, cutoff=None, **k: solve(*a, **k))
+            for device in ("cpu", "h100"):
+                least = remat.plan_step(local, "least", device=device, refine=False, plan_only=True)[0]
+                found[(cut, device)] = (least.peak_bytes, least.method, least.tiling)
+    worst = max(model / simulated for model, simulated in pairs)
+    print(f"{len(pairs)} answers simulated; the MIP's model of their peaks at most {worst - 1:+.2%} of the simulation")
+    assert worst <= 1 + remat_plan.CUTOFF_MARGIN, pairs
+    for device in ("cpu", "h100"):
+        assert found[(True, device)] == found[(False, device)], device
