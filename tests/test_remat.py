@@ -274,20 +274,6 @@ def test_a_mip_that_highs_presolve_fails_is_solved_without_it(monkeypatch):
     assert np.max(p.memory(got)) == np.max(p.memory(want))
 
 
-def test_a_peak_minimising_solve_stops_once_its_least_is_proven_at_its_cutoff():
-    """solve's `cutoff` (the least-peak descent's: the best plan's peak so far): at or below the least peak the MIP
-    proves, Infeasible; above it, the answer it gives without one."""
-    from autosp.remat.solve import Infeasible, solve
-    joint, p, needs = _small_problem()
-    x = solve(p, None, minimize_peak=True, gap=0.0)
-    least = float(np.max(p.memory(x)))
-    for cutoff in (least, least * 0.5):
-        with pytest.raises(Infeasible):
-            solve(p, None, minimize_peak=True, gap=0.0, cutoff=cutoff)
-    got = solve(p, None, minimize_peak=True, gap=0.0, cutoff=least * 1.01)
-    assert np.array_equal(got, x)
-
-
 def test_peak_minimising_solve_equals_brute_force():
     """The MIP that minimises the peak (the least-peak search's) reaches brute force's least peak, and
     no assignment peaks lower; its memory rows are the intervals' bytes live at each time point."""

@@ -118,7 +118,10 @@ def test_a_launcher_killed_outright_leaves_neither_its_zygote_nor_its_socket():
             os.kill(int(pid), 0)
         except ProcessLookupError:
             return True
-        with open(f"/proc/{pid}/stat") as f:      # a zombie (reaped by init soon) has ended too
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        try:
+            with open(f"/proc/{pid}/stat") as f:      # a zombie (reaped by init soon) has ended too
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
     _wait(gone, "the zygote ends with its launcher", timeout=30)
     _wait(lambda: not os.path.exists(os.path.dirname(path)), "its folder is removed", timeout=10)

@@ -483,16 +483,12 @@ def _descend(problem, needs, classes, simulated, best, placed, rounds, known, st
     """The best of `best` and the peak-minimising MIPs placed for `placed`, then for each answer's set,
     while they beat `best`: a first answer above it (per-layer checkpointing's, on every model planned
     at scale) was never beaten by the next round's (bench/RESULTS.md), which cost a second of HiGHS. `stop(found)`:
-    true ends the descent at that answer (_least's `enough`). A MIP whose least is proven CUTOFF_MARGIN above
-    `best`'s peak stops there (solve's `cutoff`): the MIP's model of a plan's peak is within that of the plan's
-    simulated peak or below it (the simulation adds scratch, temporaries and each recomputation's placement; 3.6 %
-    above it at most, tests/test_plan_speed.py), so its answer could not beat `best`."""
+    true ends the descent at that answer (_least's `enough`)."""
     seen = set()
     for _ in range(rounds):
         needs.place(problem, placed)
         try:
-            x = _solve_classes(problem, classes, None, minimize_peak=True, known=known, gap=LEAST_GAP,
-                               cutoff=best[2] * (1 + CUTOFF_MARGIN))
+            x = _solve_classes(problem, classes, None, minimize_peak=True, known=known, gap=LEAST_GAP)
         except Infeasible:
             break
         prog, peak = simulated(x)
@@ -508,7 +504,6 @@ def _descend(problem, needs, classes, simulated, best, placed, rounds, known, st
 
 
 LEAST_GAP = 0.05    # the peak-minimising MIPs stop within 5 %: the placement's error is larger than that
-CUTOFF_MARGIN = 0.10    # how far above a plan's simulated peak the MIP's model of it may be (measured: 3.6 % at most)
 
 
 def _bisect(problem, needs, classes, simulated, best, tol, known, stop=lambda found: False):

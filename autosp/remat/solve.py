@@ -146,37 +146,29 @@ def _solve_rows(p: IlpProblem, rows: set[int], budget: float | None, minimize_pe
     if res.status == 1 and "time limit" in str(res.message).lower():
         _LIMITED[0] += 1
     if res.x is None:
-        return None, None
-    # with minimize_peak, HiGHS's bound on the least peak over these rows, in bytes
-    bound = getattr(res, "mip_dual_bound", None)
-    bound = float(bound) * scale if minimize_peak and bound is not None and np.isfinite(bound) else None
-    return np.round(res.x[:nb]), bound
+        return None
+    return np.round(res.x[:nb])
 
 
 def solve(p: IlpProblem, budget: float | None = None, *, minimize_peak: bool = False,
           max_rounds: int = 60, gap: float | None = None, feasibility: bool = False,
-          time_limit: float | None = None, known: set[int] | None = None, node_limit: int | None = None,
-          cutoff: float | None = None) -> np.ndarray:
+          time_limit: float | None = None, known: set[int] | None = None, node_limit: int | None = None) -> np.ndarray:
     """The cheapest binary assignment whose modelled memory stays within `budget` at every time
     point (or, with minimize_peak, one with the smallest peak). Raises Infeasible. `known`: time
     points whose rows earlier solves of the same problem needed; they start this solve, and the
     rows this one adds are added to it (a row holds at every budget, so sharing them is exact).
     `node_limit`: branch-and-bound nodes per MIP, past which a MIP without an answer is Infeasible
-    (a deterministic limit, unlike time: the least-peak search's feasibility solves). `cutoff` (bytes, with
-    minimize_peak): raise Infeasible as soon as the least peak is proven at or above it. The rows added round by round
-    only raise it, and each round's MIP bounds it from below (HiGHS's dual bound; its answer's peak times 1 - gap)."""
+    (a deterministic limit, unlike time: the least-peak search's feasibility solves)."""
     rows = _seed_rows(p) | (known or set())
     x = None
-    gap = GAP if gap is None else gap
     for _ in range(max_rounds):
-        x, bound = _solve_rows(p, rows, budget, minimize_peak, gap, feasibility, time_limit, node_limit)
+        x = _solve_rows(p, rows, budget, minimize_peak, GAP if gap is None else gap, feasibility, time_limit,
+                        node_limit)
         if x is None:
             raise Infeasible()
         mem = p.memory(x)
         if minimize_peak:                                     # the peak the MIP saw, over its rows
             limit = max(float(mem[t]) for t in rows) if rows else -np.inf
-            if cutoff is not None and max(limit * (1 - gap), bound if bound is not None else -np.inf) >= cutoff:
-                raise Infeasible()
         else:
             limit = budget
         over = np.flatnonzero(mem > limit * (1 + 1e-9))
