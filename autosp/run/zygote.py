@@ -122,9 +122,9 @@ def serve(path: str, launcher: int, model: str | None = None) -> None:
         _serve(listener, launcher)
     finally:                                   # a launcher killed outright never closes it: the socket and its
         listener.close()                       # folder (the launcher's, empty now) go with the zygote
-        for leftover in (os.unlink, os.rmdir):
+        for remove, leftover in ((os.unlink, path), (os.rmdir, os.path.dirname(path))):
             try:
-                leftover(path if leftover is os.unlink else os.path.dirname(path))
+                remove(leftover)
             except OSError:
                 pass
 
