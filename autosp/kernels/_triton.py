@@ -87,7 +87,28 @@ def jit_module(namespace: dict) -> None:
         for name, fn in list(namespace.items()):
             if getattr(fn, "__autosp_kernel__", False) and getattr(fn, "__module__", None) == namespace["__name__"]:
                 namespace[name] = triton.jit(fn)
+                if interpreting() and hasattr(namespace[name], "rewrite"):
+                    namespace[name] = _Interpreted(namespace[name])
         namespace["__autosp_jitted__"] = True
+
+
+class _Interpreted:
+    """An interpreted Triton function whose calls from another kernel run its rewritten body directly. Triton's
+    interpreter (3.9) patches every builtin of triton.language again on each such call (`inspect.getmembers` of
+    the module, its tensor and math: a no-op once the launch has patched them, which it has), a fifth of an
+    interpreted attention kernel's time; a launch (`f[grid](...)`) is Triton's own."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        return self.fn[grid]
+
+    def __call__(self, *args, **kwargs):
+        return self.fn.rewrite()(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.fn, name)
 
 
 # ---------------------------------------------------------------- launches
