@@ -24,12 +24,16 @@ from tests.models import assert_every_rank
 
 
 def _job(rank, world, s):
+    import torch._inductor.config as inductor_config
     from torch.distributed.device_mesh import init_device_mesh
     from autosp.inflight import in_flight
     from autosp.memory import peak_bytes
     from autosp.remat import offload as offload_ops
     from tests.models import batch, llama_loss, params_of, rank_errors, reference, tiny_llama
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
+    # scalar C++ kernels: g++ builds one in about half the time of a vectorized one, and this test holds autosp's
+    # programs, segments and plan, which are the same either way (test_cli.py's compiled run keeps inductor's default)
+    inductor_config.cpp.simdlen = 1
     torch.manual_seed(0)
     model = tiny_llama(layers=2, hidden=64, heads=4, kv_heads=2, vocab=128)
     fn, params = llama_loss(model), params_of(model)
