@@ -95,8 +95,8 @@ def jit_module(namespace: dict) -> None:
 class _Interpreted:
     """An interpreted Triton function whose calls from another kernel run its rewritten body directly. Triton's
     interpreter (3.9) patches every builtin of triton.language again on each such call (`inspect.getmembers` of
-    the module, its tensor and math: a no-op once the launch has patched them, which it has), a fifth of an
-    interpreted attention kernel's time; a launch (`f[grid](...)`) is Triton's own."""
+    the module, its tensor and math: a no-op once the launch has patched them, which it has), over a quarter of an
+    interpreted attention's time (bench/interpreter_calls.py); a launch (`f[grid](...)`) is Triton's own."""
 
     def __init__(self, fn):
         self.fn = fn
