@@ -414,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     own = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parser().parse_args(argv)
+    a.keep_zygote = not own             # called again in this process: a launch's zygote serves the next (launch.KEPT)
     if a.verb is None:
         parser().print_help(sys.stderr)
         return 2

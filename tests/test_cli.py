@@ -81,7 +81,10 @@ def launched(args, env=None, timeout=240):
         files = [open(path, "w") for path in paths]
         alarm = signal.signal(signal.SIGALRM, too_long)
         try:
-            os.environ.pop("AUTOSP_FAULT", None)
+            # the environment of a user's shell: pytest's name of the test running (which changes from test to
+            # test) would start each test's launches a zygote of their own (autosp/run/launch.py, KEPT)
+            for name in ("AUTOSP_FAULT", "PYTEST_CURRENT_TEST"):
+                os.environ.pop(name, None)
             os.environ.update(PYTHONPATH=ROOT, **(env or {}))
             os.chdir(ROOT)
             for fd, f in zip((1, 2), files):
@@ -105,9 +108,16 @@ def launched(args, env=None, timeout=240):
             for s, h in handlers.items():
                 signal.signal(s, h)
         stdout, stderr = (open(path).read() for path in paths)
-    # the launcher (this process) has closed the zygote its ranks were forked from (autosp/run/zygote.py)
-    assert not _zygotes_of(os.getpid()), f"autosp {' '.join(args)} left its zygote running"
+    # the launcher (this process) has closed the zygote its ranks were forked from (autosp/run/zygote.py), or kept it
+    # for its next launch (launch.KEPT: cli.main called in-process); no other is left running
+    assert set(_zygotes_of(os.getpid())) <= kept_zygotes(), f"autosp {' '.join(args)} left a zygote running"
     return code, stdout, stderr, secs
+
+
+def kept_zygotes() -> set[int]:
+    """The pids of the zygotes this process keeps for its next launch (autosp/run/launch.py, KEPT)."""
+    from autosp.run.launch import KEPT
+    return {z.proc.pid for z in KEPT.values() if z.alive()}
 
 
 def _zygotes_of(pid: int) -> list[int]:
@@ -261,7 +271,8 @@ def test_a_killed_rank_stops_the_run_and_is_named(model, runs):
     assert "The other ranks were stopped." in stderr and "No complete checkpoint was written yet." in stderr
     assert secs < 120
     # neither a rank's entry nor the zygote its rank was forked from (both name the model) outlived the launcher
-    assert not processes_mentioning(str(out)) and not processes_mentioning(model), "a rank outlived the launcher"
+    assert not processes_mentioning(str(out)) and not set(processes_mentioning(model)) - kept_zygotes(), \
+        "a rank outlived the launcher"
     got = losses(out)
     assert len(got) == 2 and all(math.isfinite(x) for x in got)
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
@@ -470,9 +481,12 @@ def test_sharded_state_trains_what_replicated_state_trains(sharded_run, replicat
     assert len(got) == 4 and close(got, want), (got, want)
 
 
-def test_optimizer_offload_trains_what_the_default_run_trains_and_resumes(model, runs, sharded_run):
+def test_optimizer_offload_trains_what_the_default_run_trains_and_resumes(model, runs, sharded_run, monkeypatch):
     """AdamW on host copies (the CPU AdamW ZeRO-Offload runs) is the same AdamW: bit-identical losses; its
-    checkpoint holds the host moments, so a resume is bit-exact too."""
+    checkpoint holds the host moments, so a resume is bit-exact too. The resume, launched again in this process
+    (cli.main), forks its ranks from the zygote the first launch kept: none is started for it."""
+    from autosp.run.zygote import Zygote
+
     def args(out, *extra):
         return train_args(model, out, "--steps", "4", "--save-every", "2", "--timeout", "60", "--optimizer-offload",
                           *extra)
@@ -483,10 +497,15 @@ def test_optimizer_offload_trains_what_the_default_run_trains_and_resumes(model,
             in stdout), stdout
     want = losses(sharded_run[0])
     assert losses(out) == want
+    kept = kept_zygotes()
+    assert kept, "the launch kept no zygote for the next"
+    started = []
+    monkeypatch.setattr(Zygote, "start", classmethod(lambda cls, *a, **k: started.append(a) or None))
     again = resume_copy(out, runs / "offload-resumed", 2)
     rc, stdout, stderr, _ = launched(args(again, "--resume"))
     assert rc == 0, stderr
     assert "trained steps 3-4" in stdout and losses(again) == want
+    assert not started and kept_zygotes() == kept, (started, kept, kept_zygotes())
 
 
 def test_gradients_accumulated_over_micro_steps_are_the_whole_batchs(model, runs, sharded_run):

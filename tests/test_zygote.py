@@ -125,3 +125,53 @@ def test_a_launcher_killed_outright_leaves_neither_its_zygote_nor_its_socket():
             return True
     _wait(gone, "the zygote ends with its launcher", timeout=30)
     _wait(lambda: not os.path.exists(os.path.dirname(path)), "its folder is removed", timeout=10)
+
+
+def test_a_launcher_that_launches_again_keeps_its_latest_zygotes_and_a_one_shot_closes_its(monkeypatch, tmp_path):
+    """cli.main(argv) called in-process keeps a launch's zygote for the next launch of a model of the same code in the
+    same environment (launch.KEPT; tests/test_cli.py holds a resume to the zygote its run kept): at most KEEP, the
+    latest; one that has died is not taken or kept; `python -m autosp` (keep_zygote false) closes its own."""
+    from types import SimpleNamespace
+
+    from autosp.run import launch
+
+    class Fake:
+        def __init__(self, model, env):
+            self.model, self.live, self.closed = model, True, False
+
+        def alive(self):
+            return self.live
+
+        def close(self):
+            self.live, self.closed = False, True
+
+    started = []
+    monkeypatch.setattr(Zygote, "start", classmethod(lambda cls, model, env: started.append(Fake(model, env))
+                                                     or started[-1]))
+    monkeypatch.setattr(launch, "KEPT", {})
+
+    def run(model, keep=True, **env):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        a = SimpleNamespace(step=SimpleNamespace(model=model, device="cpu", world=2), nproc_per_node=None,
+                            keep_zygote=keep)
+        launch.start_zygote(a)
+        z = a.zygote
+        launch.close_zygote(a)
+        return z
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))      # a Llama of other shapes: the same code as tiny's
+    first = run("tiny")
+    assert run("tiny") is first and len(started) == 1           # the same model and environment: kept and taken
+    assert run(str(tmp_path)) is first and len(started) == 1    # a model of the same code
+    other_env = run("tiny", AUTOSP_TEST_ZYGOTE="1")                 # another environment: a zygote of its own
+    assert other_env is not first and len(started) == 2 and len(launch.KEPT) == 2
+    third = run("tiny", AUTOSP_TEST_ZYGOTE="2")                     # a third: the oldest kept is closed
+    assert first.closed and not other_env.closed and set(launch.KEPT.values()) == {other_env, third}
+    third.live = False          # died while kept: not taken (its environment is still set), a new one started
+    fresh = run("tiny")
+    assert fresh is not third and len(started) == 4 and third not in launch.KEPT.values()
+    one_shot = run("tiny", keep=False, AUTOSP_TEST_ZYGOTE="3")
+    assert one_shot.closed and one_shot not in launch.KEPT.values()
+    launch.close_kept()
+    assert not launch.KEPT and all(z.closed for z in started)

@@ -205,15 +205,66 @@ def start_zygote(a) -> None:
     """The zygote of the ranks a launch of `a` (a.step known) will start, begun now (a.zygote), so that it imports
     while the launcher checks, tokenizes and plans; launch() takes it, and close_zygote(a) ends one not taken. CPU
     ranks only: they share the host's cores, where each fresh interpreter's imports cost the others time (a GPU
-    node's ranks import side by side on cores of their own, and a fork must never carry a started GPU driver)."""
+    node's ranks import side by side on cores of their own, and a fork must never carry a started GPU driver).
+    A zygote this process kept from an earlier launch (`cli.main(argv)` called again in one process: KEPT) is taken
+    where it was started for a model of the same code in the same environment."""
     from autosp.run.zygote import Zygote
-    a.zygote = Zygote.start(a.step.model, rank_env(a)) if a.step.device == "cpu" else None
+    a.zygote = None
+    if a.step.device != "cpu":
+        return
+    env = rank_env(a)
+    a.zygote_key = (_model_code(a.step.model), tuple(sorted({**os.environ, **env}.items())))
+    kept = KEPT.pop(a.zygote_key, None)
+    if kept is not None and kept.alive():
+        a.zygote = kept
+        return
+    if kept is not None:
+        kept.close()
+    a.zygote = Zygote.start(a.step.model, env)
+
+
+def _model_code(model: str) -> str:
+    """What a zygote preloads for `model` (zygote._preload): its config class's modeling code; the name where that
+    cannot be read here (the zygote then fails to preload it as the rank would fail)."""
+    try:
+        from transformers import AutoModelForCausalLM
+
+        from autosp.run.models import model_config
+        return AutoModelForCausalLM._model_mapping[type(model_config(model).config)].__module__
+    except Exception:  # noqa: BLE001 - see above
+        return model
+
+
+# A process that launches again (cli.main(argv) called in-process: a notebook, a sweep, the test suite) keeps its
+# zygotes for the next launch of a model of the same code in the same environment: each saves that launch the ~8 s
+# of CPU a zygote spends importing (bench/RESULTS.md, "The suite's time"). (the model's code, the environment) ->
+# its Zygote, the latest last; at most KEEP of them (each holds torch, transformers and scipy imported).
+KEPT: dict[tuple, object] = {}
+KEEP = 2
 
 
 def close_zygote(a) -> None:
+    """End the zygote of `a`'s launch, or, where `a.keep_zygote` (cli.main called with its arguments), keep it for
+    the next launch in this process (KEPT; close_kept ends them)."""
     zygote, a.zygote = getattr(a, "zygote", None), None
-    if zygote is not None:
+    if zygote is None:
+        return
+    if not getattr(a, "keep_zygote", False) or not zygote.alive():
         zygote.close()
+        return
+    KEPT.pop(a.zygote_key, None)
+    KEPT[a.zygote_key] = zygote
+    while len(KEPT) > KEEP:
+        KEPT.pop(next(iter(KEPT))).close()
+    import atexit
+    atexit.unregister(close_kept)
+    atexit.register(close_kept)
+
+
+def close_kept() -> None:
+    """End the zygotes this process kept (they would leave with it anyway: each watches its launcher)."""
+    while KEPT:
+        KEPT.popitem()[1].close()
 
 
 def launch(a, argv: list[str]) -> int:

@@ -23,7 +23,9 @@ start or died), the entry runs `python -m autosp.cli` in its own place (exec), a
 
 The zygote is started with the ranks' environment but for what torch.distributed.run adds per rank (RANK,
 MASTER_ADDR, ...: read only once a rank runs), OMP_NUM_THREADS included (the OpenMP runtime reads it as torch is
-imported), and with `-u` as the agent starts a rank. It leaves when the launcher closes it or is gone.
+imported), and with `-u` as the agent starts a rank. It leaves when the launcher closes it or is gone. A launcher
+that launches again in its own process (`cli.main(argv)`: a notebook, a sweep, the test suite) keeps it for the next
+launch of a model of the same code in the same environment (launch.KEPT): a fork is unchanged by the forks before it.
 """
 from __future__ import annotations
 
@@ -78,6 +80,9 @@ class Zygote:
         """ENV's value for the entries: the zygote's pid (an entry whose zygote is gone runs fresh) and socket."""
         return f"{self.proc.pid}:{self.path}"
 
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
     def close(self) -> None:
         import shutil
         if self.proc.poll() is None:
@@ -93,6 +98,12 @@ def _preload(model: str | None) -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the rank imports it itself, and fails there as it would have
             pass
+    try:                                       # the loss curve's plotting (metrics.plot_loss: Agg, then pyplot), which
+        import matplotlib                      # the first rank imports at the end of a run: ~1 s of its CPU
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+    except Exception:  # noqa: BLE001 - as above (matplotlib is the train extra's)
+        pass
     if model:
         try:                                   # the model's own code (transformers imports each model's lazily)
             from transformers import AutoModelForCausalLM
