@@ -10,8 +10,10 @@ counts it per aten overload; this script holds it to the allocator at real sizes
          embedding_dense_backward (distinct and repeated token ids), each alone
   heldout  the same at shapes the formulas were not fitted to: batch 2, head dim 96, lengths that are not multiples
          of 128, embedding ids not a multiple of anything; the formula's error for each (bench/gpu_check.sh)
+  blas   cuBLAS's workspaces, made at a thread's first GEMM and kept: this thread, another, autograd's backward
+         (first: a GEMM of another part would have made this thread's)
 
-    python bench/cuda_workspace.py [--seq 32768] [--layers 4] [--parts ops,heldout,step]
+    python bench/cuda_workspace.py [--seq 32768] [--layers 4] [--parts blas,ops,heldout,step]
 
 Prints one markdown table per part: op, shapes, measured workspace, the model's, their difference.
 """
@@ -142,17 +144,48 @@ def heldout_part(args) -> str:
                                       (32, 8, 64, 20_000)), ids=(3_500, 25_001), title="Held-out shapes")
 
 
+def blas_part(args) -> str:
+    """cuBLAS's persistent workspaces: allocated through the caching allocator at a thread's first GEMM on a stream
+    and kept (32 MiB a handle on Hopper by torch's default, CUBLAS_WORKSPACE_CONFIG otherwise), so they are in a
+    run's measured peak and in no op's scratch. Each row: what memory_allocated grew by at that first GEMM (a leading
+    hypothesis for `autosp train`'s +65.3 MiB on the H200 (bench/RESULTS.md): one workspace for the step's thread and
+    one for autograd's device thread)."""
+    import threading
+    a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    rows = []
+
+    def grew(what, fn, made=lambda out: out.numel() * out.element_size()):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = fn()
+        torch.cuda.synchronize()
+        rows.append((what, [tuple(a.shape)], torch.cuda.memory_allocated() - before - made(out), None))
+        return out
+
+    keep = [grew("first GEMM, this thread", lambda: a @ a)]
+    keep.append(grew("second GEMM, this thread", lambda: a @ a))
+    found = []
+    t = threading.Thread(target=lambda: found.append(grew("first GEMM, another thread", lambda: a @ a)))
+    t.start()
+    t.join()
+    w = a.detach().clone().requires_grad_(True)
+    y = grew("forward GEMM (requires grad)", lambda: w @ a)
+    grew("its backward (autograd's device thread)", lambda: y.sum().backward(),
+         made=lambda _: w.grad.numel() * w.grad.element_size())
+    return table("cuBLAS workspaces (kept once made; model: none)", rows)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--budget", default="least")
-    ap.add_argument("--parts", default="ops,heldout,step")
+    ap.add_argument("--parts", default="blas,ops,heldout,step")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("cuda_workspace: no GPU visible (it measures the CUDA caching allocator)")
         return 2
-    parts = {"ops": ops_part, "heldout": heldout_part, "step": step_part}
+    parts = {"ops": ops_part, "heldout": heldout_part, "step": step_part, "blas": blas_part}
     for name in args.parts.split(","):
         print(parts[name](args), flush=True)
     return 0

@@ -127,7 +127,8 @@ run_step offload_131k 100 "$PY" bench/gpu_step.py --seq 131072 --layers 2 --out 
   --configs "eager least,offload least" --gpu "$GPU"
 
 # 8. held-out shapes for the scratch formulas (before the benchmarks: what the plan's promise rests on comes first)
-run_step workspace_heldout 60 "$PY" bench/cuda_workspace.py --parts heldout
+#    and cuBLAS's kept workspaces (the first GEMM of a thread: the main job's +65.3 MiB is two of 32 MiB?)
+run_step workspace_heldout 60 "$PY" bench/cuda_workspace.py --parts blas,heldout
 
 # 5. quick autotuning of attention at one length (other lengths use the nearest tuned bucket), then the benchmarks
 if [ -n "${GPU_CHECK_TUNE:-}" ]; then   # 40 s did not finish the backward's search on the first H200 run
