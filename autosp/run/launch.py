@@ -213,6 +213,9 @@ def start_zygote(a) -> None:
     if a.step.device != "cpu":
         return
     env = rank_env(a)
+    if not getattr(a, "keep_zygote", False):       # a one-shot launch: nothing kept to take, nothing to key
+        a.zygote = Zygote.start(a.step.model, env)
+        return
     a.zygote_key = (_model_code(a.step.model), tuple(sorted({**os.environ, **env}.items())))
     kept = KEPT.pop(a.zygote_key, None)
     if kept is not None and kept.alive():
@@ -224,13 +227,11 @@ def start_zygote(a) -> None:
 
 
 def _model_code(model: str) -> str:
-    """What a zygote preloads for `model` (zygote._preload): its config class's modeling code; the name where that
-    cannot be read here (the zygote then fails to preload it as the rank would fail)."""
+    """The zygote's preload for `model` (zygote.model_code), or its name where that cannot be read here (the zygote
+    then fails to preload it as the rank would fail)."""
+    from autosp.run.zygote import model_code
     try:
-        from transformers import AutoModelForCausalLM
-
-        from autosp.run.models import model_config
-        return AutoModelForCausalLM._model_mapping[type(model_config(model).config)].__module__
+        return model_code(model)
     except Exception:  # noqa: BLE001 - see above
         return model
 

@@ -106,12 +106,17 @@ def _preload(model: str | None) -> None:
         pass
     if model:
         try:                                   # the model's own code (transformers imports each model's lazily)
-            from transformers import AutoModelForCausalLM
-
-            from autosp.run.models import model_config
-            AutoModelForCausalLM._model_mapping[type(model_config(model).config)]
+            model_code(model)
         except Exception:  # noqa: BLE001 - as above
             pass
+
+
+def model_code(model: str) -> str:
+    """The module of `model`'s code (a preset or a config's path), imported: what a zygote preloads for it."""
+    from transformers import AutoModelForCausalLM
+
+    from autosp.run.models import model_config
+    return AutoModelForCausalLM._model_mapping[type(model_config(model).config)].__module__
 
 
 def serve(path: str, launcher: int, model: str | None = None) -> None:
